@@ -1,0 +1,119 @@
+"""The joint-threshold draft-and-edit step (LLaDA2.1's official decoding), for a whole batch at once.
+
+One forward proposes a token for every position of each request's active block; then, per request:
+    M2T: masked positions whose proposal probability p > threshold are filled (strict >); if none passes,
+         the single masked position with the highest p is filled (top-1 fallback).
+    T2T: already-placed, non-prompt positions whose proposal differs from the current token and has
+         p > edit_threshold are replaced (strict >).
+Both come from the same forward. Everything here is tensor ops over [N, B] (no per-request Python loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32-style) on int64 lanes; constants < 2^31 keep products < 2^63."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x46C8A68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """U[0, 1) drawn from (seed, absolute position, step) alone: a request's samples never depend on its
+    batch neighbours. seeds, steps: [N] int64; positions: [N, B] int64 -> [N, B] float64."""
+    s = seeds[:, None]
+    x = _mix32(_mix32(_mix32(s ^ 0x1B873593) ^ (s >> 32)) ^ positions)
+    x = _mix32(x ^ (steps[:, None] * 0x2545F491))
+    hi = _mix32(x ^ 0x68E31DA4)
+    lo = _mix32(x ^ 0x1B56C4E9)
+    return ((hi >> 5).double() * 67108864.0 + (lo >> 6).double()) / 9007199254740992.0  # 53 random bits
+
+
+@dataclass
+class SamplingBatch:
+    """Per-request sampling inputs for the rows of a step; None in StepInputs when all are greedy."""
+
+    temperature: torch.Tensor  # [N] float (0 = greedy row)
+    top_k: torch.Tensor  # [N] int64 (<= 0: off)
+    top_p: torch.Tensor  # [N] float
+    seeds: torch.Tensor  # [N] int64
+    steps: torch.Tensor  # [N] int64, the request's denoising-step counter
+    positions: torch.Tensor  # [N, B] absolute positions of the block
+
+
+def propose(logits: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Proposal v and its probability p for every position. logits: [N, B, V] (>= fp32).
+
+    Greedy rows: v = argmax, p = softmax(logits)[v]. Sampled rows: logits / temperature, keep the top_k,
+    then the top_p nucleus (the first token always kept), sample by inverse CDF with `uniform_noise`;
+    p is the sampled token's probability under that filtered distribution.
+    """
+    v = logits.argmax(-1)  # [N, B]
+    p = torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1))  # [N, B]
+    if sampling is None:
+        return v, p
+    rows = (sampling.temperature > 0).nonzero().flatten()
+    if rows.numel() == 0:
+        return v, p
+    sub = logits[rows] / sampling.temperature[rows, None, None].to(logits.dtype)  # [n, B, V]
+    probs, order = torch.softmax(sub, -1).sort(-1, descending=True)  # [n, B, V]
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    top_k = sampling.top_k[rows]
+    keep = (rank[None, None, :] < torch.where(top_k > 0, top_k, probs.shape[-1])[:, None, None])
+    probs = probs * keep
+    probs = probs / probs.sum(-1, keepdim=True)
+    mass_before = probs.cumsum(-1) - probs
+    keep = mass_before < sampling.top_p[rows, None, None].to(probs.dtype)
+    keep[..., 0] = True
+    probs = probs * keep
+    cdf = probs.cumsum(-1)  # [n, B, V]
+    total = cdf[..., -1:]
+    u = uniform_noise(sampling.seeds[rows], sampling.positions[rows], sampling.steps[rows]).to(cdf.dtype)
+    pick = torch.searchsorted(cdf, (u[..., None] * total).contiguous(), right=True).clamp_(max=cdf.shape[-1] - 1)
+    pick = torch.where(probs.gather(-1, pick) > 0, pick, 0)  # guard the rounding edge: never a filtered token
+    v = v.clone()
+    p = p.clone()
+    v[rows] = order.gather(-1, pick).squeeze(-1)
+    p[rows] = (probs.gather(-1, pick) / total).squeeze(-1).to(p.dtype)
+    return v, p
+
+
+@dataclass
+class StepResult:
+    tokens: torch.Tensor  # [N, B] the block after this step
+    proposal: torch.Tensor  # [N, B] the model's token at every position (v)
+    confidence: torch.Tensor  # [N, B] p of v
+    m2t: torch.Tensor  # [N, B] bool: masks filled
+    t2t: torch.Tensor  # [N, B] bool: tokens edited
+    had_mask: torch.Tensor  # [N] bool: the block held a mask before the step
+
+
+def joint_threshold_step(
+    logits: torch.Tensor,  # [N, B, V]
+    block: torch.Tensor,  # [N, B] current tokens of each active block
+    editable: torch.Tensor,  # [N, B] bool: False on prompt positions (never edited)
+    threshold: torch.Tensor,  # [N]
+    edit_threshold: torch.Tensor,  # [N]
+    mask_id: int,
+    sampling: SamplingBatch | None = None,
+) -> StepResult:
+    v, p = propose(logits, sampling)
+    masked = (block == mask_id) & editable  # [N, B]
+    m2t = masked & (p > threshold[:, None].to(p.dtype))
+    # Top-1 fallback: a row with masks but no position above threshold fills its most confident mask.
+    need_fallback = masked.any(-1) & ~m2t.any(-1)  # [N]
+    best = torch.where(masked, p, torch.full_like(p, -1.0)).argmax(-1)  # [N]
+    fallback = torch.zeros_like(m2t).scatter_(1, best[:, None], True) & need_fallback[:, None]
+    m2t = m2t | fallback
+    t2t = ~masked & editable & (v != block) & (p > edit_threshold[:, None].to(p.dtype))
+    tokens = torch.where(m2t | t2t, v, block)
+    return StepResult(tokens=tokens, proposal=v, confidence=p, m2t=m2t, t2t=t2t, had_mask=masked.any(-1))

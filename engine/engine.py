@@ -1,0 +1,255 @@
+"""`redraft.Engine`: the offline engine (SGLang-style `generate`), all requests advancing together.
+
+A step: every running request runs its pre-forward check, contributes its window (uncached blocks + the
+active block) to one batched forward, and the decoding step is applied to all of them at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from redraft.engine.config import BLOCK_SIZE, ModelConfig
+from redraft.engine.loader import load_model, resolve_dtype
+from redraft.engine.model_runner import ModelRunner, WorkItem
+from redraft.engine.sampling_params import SamplingParams
+from redraft.engine.tokenizer import Tokenizer
+from redraft.scheduler.page_pool import PagePool
+from redraft.scheduler.request import FinishReason, Request
+
+log = logging.getLogger("redraft.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    kernel_backend: str = "torch"
+    quantization: str | None = None
+    load_format: str = "auto"
+    max_total_tokens: int | None = None  # KV cache capacity in tokens; default: sized for the device
+    chunked_prefill_size: int = 8192  # most tokens one request puts into a forward
+    default_mode: str = "Q"
+    seed: int = 0  # for load_format="dummy"
+    progress: bool = True
+    # Baseline for benchmarks: every forward recomputes the whole prefix (the official generate() without a
+    # KV cache). Outputs are the same; only the work differs.
+    recompute_prefix: bool = False
+
+
+def default_model_path() -> Path:
+    """The bundled demo model if this install has one, else a tiny random checkpoint made on the spot."""
+    bundled = Path(__file__).resolve().parent / "demo_model"
+    if (bundled / "config.json").is_file():
+        return bundled
+    cache = Path.home() / ".cache" / "redraft" / "tiny-random-seed0"
+    if not (cache / "config.json").is_file():
+        from redraft.engine.tiny import make_tiny_checkpoint
+
+        make_tiny_checkpoint(cache, seed=0)
+    log.warning("no bundled demo model in this install: serving a tiny RANDOM checkpoint (%s)", cache)
+    return cache
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
+        self.config = cfg = EngineConfig(model_path=model_path, **kwargs)
+        if cfg.default_mode not in ("S", "Q", "auto"):
+            raise ValueError(f"default_mode must be S, Q or auto, got {cfg.default_mode!r}")
+        if cfg.quantization not in (None, "none"):
+            raise ValueError(f"quantization {cfg.quantization!r} is not available in this build")
+        path = Path(model_path) if model_path else (None if cfg.load_format == "dummy" else default_model_path())
+        if path is not None and not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist")
+        self.model_path = path
+        self.model_config = ModelConfig.from_pretrained(path) if path else None
+        if self.model_config is None:
+            raise ValueError("load_format='dummy' still needs a model directory with config.json")
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        t0 = time.perf_counter()
+        self.model = load_model(
+            path, self.model_config, dtype=cfg.dtype, device=cfg.device, load_format=cfg.load_format,
+            seed=cfg.seed, progress=cfg.progress,
+        )
+        self.model.set_kernel_backend(cfg.kernel_backend)
+        log.info(
+            "loaded %s (%.1fM params, %s, %s) in %.1fs",
+            path, self.model_config.num_params() / 1e6, cfg.dtype, cfg.device, time.perf_counter() - t0,
+        )
+        dtype = resolve_dtype(cfg.dtype)
+        max_tokens = cfg.max_total_tokens or self._default_kv_tokens(dtype)
+        num_pages = max(1, max_tokens // BLOCK_SIZE)
+        self.pool = PagePool(num_pages)
+        self.runner = ModelRunner(self.model, num_pages, self.tokenizer.mask_token_id, cfg.device)
+
+    def _default_kv_tokens(self, dtype: torch.dtype) -> int:
+        per_token = ModelRunner.kv_bytes_per_token(self.model_config, dtype)
+        budget = 512 * 2**20  # CPU: 512 MiB of KV cache at most
+        return int(min(max(budget // per_token, 4096), 262144))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    # ---- public API ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: dict | SamplingParams | Sequence[dict | SamplingParams] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> dict | list[dict]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt= or input_ids=")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            id_lists = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            single = len(input_ids) == 0 or isinstance(input_ids[0], int)
+            id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(id_lists):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(id_lists)} prompts")
+            params = [SamplingParams.from_dict(p) for p in sampling_params]
+        else:
+            params = [SamplingParams.from_dict(sampling_params)] * len(id_lists)
+        reqs = [self._make_request(ids, p) for ids, p in zip(id_lists, params)]
+        t0 = time.perf_counter()
+        self._run_to_completion(reqs)
+        latency = time.perf_counter() - t0
+        outs = [self._output(r, latency) for r in reqs]
+        return outs[0] if single else outs
+
+    def shutdown(self) -> None:
+        self.runner = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _make_request(self, ids: list[int], params: SamplingParams) -> Request:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} and max_new_tokens is {params.max_new_tokens}"
+            )
+        if params.temperature > 0 and params.seed is None:
+            params = replace(params, seed=secrets.randbits(62))
+        req = Request(
+            rid=uuid.uuid4().hex, prompt_ids=list(ids), params=params.resolved(self.config.default_mode),
+            mask_id=self.tokenizer.mask_token_id, eos_id=self.tokenizer.eos_token_id,
+        )
+        if req.total_blocks > self.pool.capacity:
+            raise ValueError(
+                f"the request needs {req.total_blocks * BLOCK_SIZE} tokens of KV cache; "
+                f"the cache holds {self.pool.capacity * BLOCK_SIZE} (raise max_total_tokens)"
+            )
+        return req
+
+    def _run_to_completion(self, reqs: list[Request]) -> None:
+        waiting: deque[Request] = deque(reqs)
+        running: list[Request] = []
+        try:
+            while waiting or running:
+                while waiting:  # admit while the pool can hold a request's every block
+                    pages = self.pool.alloc(waiting[0].total_blocks)
+                    if pages is None:
+                        break
+                    req = waiting.popleft()
+                    req.pages = pages
+                    req.start()
+                    running.append(req)
+                if not running:
+                    raise RuntimeError("KV cache too small for the next request")
+                self._step(running)
+                for req in [r for r in running if r.finished]:
+                    running.remove(req)
+                    self.pool.free(req.pages)
+                    req.pages = []
+        finally:  # an exception must not leak pages
+            for req in running:
+                if req.pages:
+                    self.pool.free(req.pages)
+                    req.pages = []
+
+    def _step(self, running: list[Request]) -> None:
+        items: list[WorkItem] = []
+        for req in running:
+            while not req.pre_forward():  # the block ends before a forward (max_post_steps)
+                if self._end_block(req, stale=True):
+                    break
+            if req.finished:
+                continue
+            if self.config.recompute_prefix:
+                req.cached_blocks = 0
+            first, last, decodes = req.window_blocks(self.config.chunked_prefill_size)
+            items.append(WorkItem(req, first, last, decodes))
+        if not items:
+            return
+        out = self.runner.run(items)
+        decoding = [it for it in items if it.decodes]
+        for it in items:
+            if not it.decodes:
+                it.req.mark_prefilled(it.last)
+        for i, it in enumerate(decoding):
+            if it.req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i]):
+                self._end_block(it.req, stale=False)
+
+    def _end_block(self, req: Request, stale: bool) -> bool:
+        """Finish the active block; returns True when the request finished."""
+        reason = req.end_block(stale) or self._stop_string_hit(req)
+        if reason is not None:
+            req.finish(reason)
+            return True
+        req.advance()
+        return False
+
+    def _stop_string_hit(self, req: Request) -> FinishReason | None:
+        stops = req.params.params.stop
+        if not stops:
+            return None
+        text = self.tokenizer.decode(req.output_ids())
+        hits = [(text.find(s), s) for s in stops if s in text]
+        return FinishReason("stop", matched=min(hits)[1]) if hits else None
+
+    def _output(self, req: Request, latency: float) -> dict:
+        ids = req.output_ids()
+        text = self.tokenizer.decode(ids)
+        reason = req.finish_reason or FinishReason("abort")
+        if reason.kind == "stop" and isinstance(reason.matched, str):
+            text = text[: text.find(reason.matched)]
+        elif reason.kind == "length":
+            reason = FinishReason("length", matched=None)
+        meta = {
+            "id": req.rid,
+            "finish_reason": reason.to_json() | ({"length": len(ids)} if reason.kind == "length" else {}),
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": len(ids),
+            "cached_tokens": req.prefix_cached_tokens,
+            "steps": req.stats.steps,
+            "tokens_per_forward": len(ids) / max(req.stats.steps, 1),
+            "edits": req.stats.edits,
+            "blocks": req.stats.blocks,
+            "mode": req.params.mode,
+            "e2e_latency": latency,
+        }
+        return {"text": text, "output_ids": ids, "meta_info": meta}

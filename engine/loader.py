@@ -1,0 +1,195 @@
+"""Load LLaDA2-MoE weights from Hugging Face safetensors (single or sharded) into `LLaDA2Model`.
+
+Official tensor names are mapped onto our packed/stacked parameters: gate_proj|up_proj -> one [2I, H]
+matrix, the experts of a layer -> [E, 2I, H] and [E, H, I]. Every tensor is checked: a missing, unexpected or
+mis-shaped one is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from redraft.engine.config import ModelConfig
+from redraft.engine.model import LLaDA2Model
+
+log = logging.getLogger("redraft.loader")
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float64": torch.float64,  # for exactness tests only
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config describes."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an official tensor lands: a parameter, optionally a slice of it along dims 0/1."""
+
+    param: str
+    shape: tuple[int, ...]
+    index: tuple = ()  # e.g. (expert,) or (slice(0, I),) or (expert, slice(I, 2I))
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, Target]:
+    """Official name -> target, for every tensor a checkpoint of this config must contain."""
+    h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    t: dict[str, Target] = {"model.word_embeddings.weight": Target("embed.weight", (v, h))}
+    for li, moe in enumerate(cfg.is_moe_layer):
+        src, dst = f"model.layers.{li}", f"layers.{li}"
+        t[f"{src}.input_layernorm.weight"] = Target(f"{dst}.input_norm.weight", (h,))
+        t[f"{src}.post_attention_layernorm.weight"] = Target(f"{dst}.post_norm.weight", (h,))
+        t[f"{src}.attention.query_key_value.weight"] = Target(f"{dst}.attn.qkv.weight", ((nq + 2 * nkv) * d, h))
+        if cfg.use_qkv_bias:
+            t[f"{src}.attention.query_key_value.bias"] = Target(f"{dst}.attn.qkv.bias", ((nq + 2 * nkv) * d,))
+        if cfg.use_qk_norm:
+            t[f"{src}.attention.query_layernorm.weight"] = Target(f"{dst}.attn.q_norm.weight", (d,))
+            t[f"{src}.attention.key_layernorm.weight"] = Target(f"{dst}.attn.k_norm.weight", (d,))
+        t[f"{src}.attention.dense.weight"] = Target(f"{dst}.attn.o_proj.weight", (h, nq * d))
+        if cfg.use_bias:
+            t[f"{src}.attention.dense.bias"] = Target(f"{dst}.attn.o_proj.bias", (h,))
+        if not moe:
+            _swiglu_targets(t, f"{src}.mlp", f"{dst}.mlp", h, cfg.intermediate_size)
+            continue
+        i = cfg.moe_intermediate_size
+        t[f"{src}.mlp.gate.weight"] = Target(f"{dst}.mlp.router", (cfg.num_experts, h))
+        if cfg.moe_router_enable_expert_bias:
+            t[f"{src}.mlp.gate.expert_bias"] = Target(f"{dst}.mlp.expert_bias", (cfg.num_experts,))
+        for e in range(cfg.num_experts):
+            ex = f"{src}.mlp.experts.{e}"
+            t[f"{ex}.gate_proj.weight"] = Target(f"{dst}.mlp.w13", (i, h), (e, slice(0, i)))
+            t[f"{ex}.up_proj.weight"] = Target(f"{dst}.mlp.w13", (i, h), (e, slice(i, 2 * i)))
+            t[f"{ex}.down_proj.weight"] = Target(f"{dst}.mlp.w2", (h, i), (e,))
+        if cfg.num_shared_experts:
+            _swiglu_targets(t, f"{src}.mlp.shared_experts", f"{dst}.mlp.shared", h, i * cfg.num_shared_experts)
+    t["model.norm.weight"] = Target("norm.weight", (h,))
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = Target("lm_head.weight", (v, h))
+    return t
+
+
+def _swiglu_targets(t: dict[str, Target], src: str, dst: str, h: int, inter: int) -> None:
+    t[f"{src}.gate_proj.weight"] = Target(f"{dst}.gate_up", (inter, h), (slice(0, inter),))
+    t[f"{src}.up_proj.weight"] = Target(f"{dst}.gate_up", (inter, h), (slice(inter, 2 * inter),))
+    t[f"{src}.down_proj.weight"] = Target(f"{dst}.down", (h, inter))
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} names shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> LLaDA2Model:
+    """Allocate (uninitialised) parameters directly in `dtype` on `device`: no random init, no second copy."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LLaDA2Model(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    for layer in model.layers:  # expert_bias is routing-critical: keep it fp32 whatever the dtype
+        if hasattr(layer.mlp, "expert_bias"):
+            layer.mlp.expert_bias.data = layer.mlp.expert_bias.data.float()
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = True) -> None:
+    model_dir = Path(model_dir)
+    targets = expected_tensors(model.cfg)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    seen: set[str] = set()
+    files = checkpoint_files(model_dir)
+    total = len(targets)
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                target = targets.get(name)
+                if target is None:
+                    raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: not part of this config")
+                if name in seen:
+                    raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != target.shape:
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.shape} from config.json"
+                    )
+                dest = params[target.param].data
+                view = dest[target.index] if target.index else dest
+                view.copy_(tensor.to(device=view.device, dtype=view.dtype))
+                seen.add(name)
+                bar.update(1)
+    bar.close()
+    missing = [n for n in targets if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {model_dir} lacks tensor(s): {', '.join(missing[:5])}{more}")
+    log.info("loaded %d tensors from %d file(s) in %s", len(seen), len(files), model_dir)
+
+
+def init_dummy_weights(model: LLaDA2Model, seed: int = 0) -> None:
+    """Random weights of the right shapes (`load_format="dummy"`): benchmarks at real shapes, no checkpoint."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+    for layer in model.layers:
+        if hasattr(layer.mlp, "expert_bias"):
+            layer.mlp.expert_bias.data.copy_(torch.randn(layer.mlp.expert_bias.shape, generator=gen) * 0.01)
+
+
+def load_model(
+    model_dir: str | Path | None,
+    cfg: ModelConfig,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+    progress: bool = True,
+) -> LLaDA2Model:
+    torch_dtype = resolve_dtype(dtype)
+    model = build_model(cfg, torch_dtype, device)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    elif load_format in ("auto", "safetensors"):
+        if model_dir is None:
+            raise ValueError("a model directory is needed unless load_format='dummy'")
+        load_weights(model, model_dir, progress=progress)
+    else:
+        raise ValueError(f"unknown load_format {load_format!r}: use 'auto', 'safetensors' or 'dummy'")
+    return model

@@ -1,0 +1,163 @@
+"""The LLaDA2-MoE forward pass over a flat, ragged batch of query tokens with a paged block KV cache.
+
+Reads in one sitting: RMSNorm -> packed QKV -> per-head QK RMSNorm -> partial NeoX rotary -> block-causal
+paged attention -> output projection; then a dense SwiGLU (first layers) or the grouped-sigmoid MoE with a
+shared expert. Parameter layout is ours (packed/stacked at load); `engine/loader.py` maps official names.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from redraft.engine.config import ModelConfig
+from redraft.kernels.attention import AttentionMetadata, paged_attention_torch
+from redraft.kernels.moe import compute_dtype, moe_experts_torch, route_torch, swiglu
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(compute_dtype(x.dtype))  # variance in fp32 (or higher)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Partial NeoX rotary: rotate-half within the first `rotary_dim` dims, absolute positions."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float):
+        super().__init__()
+        self.rotary_dim, self.theta = rotary_dim, theta
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
+        cdt = compute_dtype(x.dtype)
+        # Angles in float64 (cheap: [T, rd/2]) so every dtype rotates by the same, exact angles.
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=x.device) / self.rotary_dim
+        inv_freq = 1.0 / self.theta**exponent  # [rd/2]
+        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, rd/2]
+        cos, sin = angles.cos().to(cdt)[:, None, :], angles.sin().to(cdt)[:, None, :]
+        half = self.rotary_dim // 2
+        xr = x[..., : self.rotary_dim].to(cdt)
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_q, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv_out = (self.n_q + 2 * self.n_kv) * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.use_qkv_bias)
+        self.o_proj = nn.Linear(self.n_q * self.head_dim, cfg.hidden_size, bias=cfg.use_bias)
+        self.use_qk_norm = cfg.use_qk_norm
+        if cfg.use_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = Rotary(self.head_dim, cfg.rotary_dim, cfg.rope_theta)
+
+    def forward(self, x, meta: AttentionMetadata, k_cache, v_cache, attend: AttentionFn) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split(
+            [self.n_q * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1
+        )
+        q = q.view(t, self.n_q, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.n_kv, self.head_dim)
+        if self.use_qk_norm:  # per-head RMSNorm BEFORE rotary
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, meta.positions), self.rotary(k, meta.positions)
+        out = attend(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.n_q * self.head_dim))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden))  # gate_proj | up_proj
+        self.down = nn.Parameter(torch.empty(hidden, inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate_up, self.down)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.router = nn.Parameter(torch.empty(e, h))
+        self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))  # stays fp32
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H] gate | up
+        self.w2 = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
+        self.shared = DenseMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        topk_ids, topk_w = route_torch(
+            x, self.router, self.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
+            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
+        )
+        out = moe_experts_torch(x, self.w13, self.w2, topk_ids, topk_w)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: bool):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, meta, k_cache, v_cache, attend: AttentionFn) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), meta, k_cache, v_cache, attend)
+        return h + self.mlp(self.post_norm(h))
+
+
+class LLaDA2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, moe) for moe in cfg.is_moe_layer)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.attend: AttentionFn = paged_attention_torch
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] flat query tokens of the whole batch
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,  # [L, P, B, Hkv, D]
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:  # [T, H] final-normed hidden states
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, k_cache[i], v_cache[i], self.attend)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] in >= fp32
+        return self.lm_head(hidden).to(compute_dtype(hidden.dtype))
+
+    def set_kernel_backend(self, backend: str) -> None:
+        if backend == "torch":
+            self.attend = paged_attention_torch
+        else:
+            raise ValueError(f"unknown kernel backend {backend!r} (this build has: torch)")

@@ -1,0 +1,115 @@
+"""Runs one forward for a whole batch of request windows and applies the decoding step to every request.
+
+Owns the model and the KV cache tensors (pages are allocated by the scheduler's PagePool; this class only
+reads/writes the rows the page ids point at).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from redraft.engine.config import BLOCK_SIZE, ModelConfig
+from redraft.engine.decoding import SamplingBatch, StepResult, joint_threshold_step
+from redraft.engine.model import LLaDA2Model
+from redraft.kernels.attention import AttentionMetadata
+from redraft.scheduler.request import Request
+
+log = logging.getLogger("redraft.runner")
+
+
+@dataclass
+class WorkItem:
+    """One request's share of a forward: blocks [first, last]; `decodes` if `last` is its active block."""
+
+    req: Request
+    first: int
+    last: int
+    decodes: bool
+
+
+@dataclass
+class DecodeOutput:
+    """Per decoding item, plain Python lists (ready for the torch-free request state)."""
+
+    tokens: list[list[int]]
+    had_mask: list[bool]
+    m2t: list[int]
+    t2t: list[int]
+    confidence: list[list[float]]
+
+
+class ModelRunner:
+    def __init__(self, model: LLaDA2Model, num_pages: int, mask_id: int, device: str | torch.device):
+        cfg: ModelConfig = model.cfg
+        self.model = model
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.mask_id = mask_id
+        self.block_size = BLOCK_SIZE
+        dtype = next(model.parameters()).dtype
+        shape = (cfg.num_hidden_layers, num_pages, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, B, Hkv, D]
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        log.info(
+            "KV cache: %d pages x %d tokens (%.1f MiB)",
+            num_pages, BLOCK_SIZE, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
+        )
+
+    @staticmethod
+    def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+    @torch.inference_mode()
+    def run(self, items: list[WorkItem]) -> DecodeOutput:
+        b = self.block_size
+        q_starts, q_lens, tables, ids = [], [], [], []
+        for it in items:
+            start, end = it.first * b, (it.last + 1) * b
+            q_starts.append(start)
+            q_lens.append(end - start)
+            tables.append(it.req.pages[: it.last + 1])
+            ids.extend(it.req.tokens[start:end])
+        meta = AttentionMetadata.build(q_starts, q_lens, tables, b, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta, self.k_cache, self.v_cache)  # [T, H]
+
+        decoding = [i for i, it in enumerate(items) if it.decodes]
+        if not decoding:
+            return DecodeOutput([], [], [], [], [])
+        ends = meta.cu_q[1:][decoding]  # [N] flat end of each decoding window = end of its active block
+        rows = ends[:, None] - b + torch.arange(b, device=self.device)[None, :]  # [N, B]
+        logits = self.model.logits(hidden[rows])  # [N, B, V]
+        reqs = [items[i].req for i in decoding]
+        result = self._step(logits, reqs)
+        return DecodeOutput(
+            tokens=result.tokens.tolist(),
+            had_mask=result.had_mask.tolist(),
+            m2t=result.m2t.sum(-1).tolist(),
+            t2t=result.t2t.sum(-1).tolist(),
+            confidence=result.confidence.tolist(),
+        )
+
+    def _step(self, logits: torch.Tensor, reqs: list[Request]) -> StepResult:
+        dev = self.device
+        block = torch.tensor([r.active_tokens() for r in reqs], dtype=torch.long, device=dev)  # [N, B]
+        editable = torch.tensor([r.editable_mask() for r in reqs], dtype=torch.bool, device=dev)
+        threshold = torch.tensor([r.params.threshold for r in reqs], dtype=torch.float64, device=dev)
+        edit_threshold = torch.tensor([r.params.edit_threshold for r in reqs], dtype=torch.float64, device=dev)
+        sampling = None
+        if any(r.params.params.temperature > 0 for r in reqs):
+            p = [r.params.params for r in reqs]
+            sampling = SamplingBatch(
+                temperature=torch.tensor([x.temperature for x in p], dtype=torch.float64, device=dev),
+                top_k=torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
+                top_p=torch.tensor([x.top_p for x in p], dtype=torch.float64, device=dev),
+                seeds=torch.tensor([x.seed or 0 for x in p], dtype=torch.long, device=dev),
+                steps=torch.tensor([r.stats.steps for r in reqs], dtype=torch.long, device=dev),
+                positions=torch.tensor(
+                    [[r.active_block * self.block_size + i for i in range(self.block_size)] for r in reqs],
+                    dtype=torch.long, device=dev,
+                ),
+            )
+        return joint_threshold_step(logits, block, editable, threshold, edit_threshold, self.mask_id, sampling)

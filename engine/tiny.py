@@ -1,0 +1,275 @@
+"""Tiny random LLaDA2 checkpoints in the exact Hugging Face layout, for tests and CPU demos.
+
+The weights are random but shaped so that decoding exercises every path of draft-and-edit: the final logits'
+top-1 probabilities spread from ~0.05 to ~0.99 (so the 0.5 / 0.7 unmasking thresholds, T2T edits and the
+single-token fallback all happen), and EOS is reachable within a few blocks on many prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as _HFTokenizer
+
+from redraft.engine.config import ModelConfig
+from redraft.engine.tokenizer import (BOS_TOKEN, EOS_TOKEN, MASK_TOKEN, build_bpe_tokenizer, load_default_chat_template,
+                                      save_pretrained_tokenizer)
+
+TINY_TOKENIZER_VOCAB = 448  # 256 bytes + 12 specials + ~180 merges
+
+# The architecture of every tiny checkpoint; vocab_size and pad_token_id come from the tokenizer.
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 600000.0,
+    "partial_rotary_factor": 0.5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "use_qk_norm": True,
+    "use_qkv_bias": False,
+    "use_bias": False,
+}
+
+# Init scales, tuned by measuring top-1 confidences of the final logits (see the module docstring).
+_EMBED_STD = 1.0
+_LM_HEAD_GAIN = 1.5  # logits std ~ gain * row scale (the final norm makes |h| = sqrt(H))
+_LM_HEAD_ROW_LOGSTD = 0.5  # log-normal spread of row norms: a few tokens are "confident favourites"
+_QK_NORM_GAIN = 2.0  # sharper attention, so neighbouring mask positions diverge
+# Hidden coordinate 0 is a "bias unit": every embedding row holds the same value there and no layer writes to
+# it, so after the final norm it is positive at every position (larger where the state is quieter). The EOS
+# row of lm_head gets a positive weight on it, which makes EOS reachable whatever the seed.
+_BIAS_COORD = 0
+_BIAS_VALUE = 1.0
+_EOS_BOOST = 15.0
+_MASK_EMBED_SCALE = 0.05  # a masked position's state should come from its context, not the mask embedding
+_EXPERT_BIAS_STD = 0.05
+
+_WORDS = {
+    "det": ["the", "a", "this", "that", "every", "one", "some", "no"],
+    "adj": ["small", "quiet", "bright", "old", "green", "fast", "warm", "heavy", "simple", "strange", "happy",
+            "dark", "clever", "gentle", "broken", "golden"],
+    "noun": ["cat", "river", "machine", "garden", "teacher", "city", "model", "bird", "engine", "letter",
+             "window", "story", "market", "number", "forest", "question", "tower", "friend", "token", "block"],
+    "verb": ["sees", "finds", "builds", "moves", "likes", "writes", "opens", "follows", "answers", "carries",
+             "counts", "draws", "remembers", "changes", "reads", "keeps"],
+    "adv": ["slowly", "quickly", "often", "never", "again", "today", "carefully", "together", "almost", "always"],
+    "prep": ["near", "under", "behind", "over", "inside", "beside", "across", "after", "before", "with"],
+}
+_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "Write a short poem.",
+              "Explain why the sky is blue.", "What is 17 times 23?", "Hello! How are you today?",
+              "Translate 'good morning' into German.", "List three prime numbers."]
+
+
+def tiny_corpus(n_sentences: int = 400, seed: int = 1234) -> list[str]:
+    """A small deterministic English-ish corpus (sentences from a toy grammar, numbers, some code)."""
+    rng = random.Random(seed)
+    w = _WORDS
+    out: list[str] = []
+    for i in range(n_sentences):
+        kind = i % 5
+        if kind == 0:
+            s = f"{rng.choice(w['det']).capitalize()} {rng.choice(w['adj'])} {rng.choice(w['noun'])} " \
+                f"{rng.choice(w['verb'])} {rng.choice(w['det'])} {rng.choice(w['noun'])} {rng.choice(w['adv'])}."
+        elif kind == 1:
+            s = f"{rng.choice(w['det']).capitalize()} {rng.choice(w['noun'])} {rng.choice(w['prep'])} " \
+                f"{rng.choice(w['det'])} {rng.choice(w['adj'])} {rng.choice(w['noun'])} is {rng.choice(w['adj'])}, " \
+                f"and it {rng.choice(w['verb'])} {rng.randint(2, 999)} {rng.choice(w['noun'])}s."
+        elif kind == 2:
+            a, b = rng.randint(1, 99), rng.randint(1, 99)
+            s = f"Question: what is {a} plus {b}? Answer: {a + b}."
+        elif kind == 3:
+            s = f"def {rng.choice(w['verb'])}_{rng.choice(w['noun'])}(x):\n    return x + {rng.randint(0, 9)}\n"
+        else:
+            s = rng.choice(_QUESTIONS) + " " + f"The {rng.choice(w['noun'])} {rng.choice(w['verb'])} it."
+        out.append(s)
+    return out
+
+
+@lru_cache(maxsize=4)
+def _tiny_tokenizer_json(vocab_size: int) -> str:
+    # Training is deterministic for a fixed corpus; caching the JSON keeps repeated checkpoint builds fast.
+    return build_bpe_tokenizer(tiny_corpus(), vocab_size).to_str()
+
+
+def tiny_tokenizer(vocab_size: int = TINY_TOKENIZER_VOCAB) -> _HFTokenizer:
+    """The tokenizer every tiny checkpoint ships (independent of the weight seed)."""
+    return _HFTokenizer.from_str(_tiny_tokenizer_json(vocab_size))
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+def _random_weights(cfg: ModelConfig, gen: torch.Generator, eos_id: int, mask_id: int) -> dict[str, torch.Tensor]:
+    """All tensors, official names, float32 (cast later). Creation order is fixed: it defines the stream."""
+    h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        # Unit-variance outputs for unit-variance inputs: activations neither vanish nor explode with depth.
+        return normal(out_f, in_f, std=gain / math.sqrt(in_f))
+
+    def norm_weight(n: int, gain: float = 1.0) -> torch.Tensor:
+        return gain * (1.0 + normal(n, std=0.1))
+
+    def swiglu(prefix: str, inter: int, out: dict[str, torch.Tensor]) -> None:
+        out[f"{prefix}.gate_proj.weight"] = linear(inter, h)
+        out[f"{prefix}.up_proj.weight"] = linear(inter, h)
+        out[f"{prefix}.down_proj.weight"] = residual_out(linear(h, inter))
+
+    t: dict[str, torch.Tensor] = {}
+    def residual_out(w: torch.Tensor) -> torch.Tensor:
+        # Weights that write into the residual stream leave the bias coordinate untouched.
+        w[_BIAS_COORD] = 0.0
+        return w
+
+    embed = normal(v, h, std=_EMBED_STD)
+    if mask_id < v:
+        embed[mask_id] *= _MASK_EMBED_SCALE
+    embed[:, _BIAS_COORD] = _BIAS_VALUE
+    t["model.word_embeddings.weight"] = embed
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = norm_weight(h)
+        t[f"{p}.attention.query_key_value.weight"] = linear((nq + 2 * nkv) * d, h)
+        t[f"{p}.attention.query_layernorm.weight"] = norm_weight(d, _QK_NORM_GAIN)
+        t[f"{p}.attention.key_layernorm.weight"] = norm_weight(d, _QK_NORM_GAIN)
+        t[f"{p}.attention.dense.weight"] = residual_out(linear(h, nq * d))
+        t[f"{p}.post_attention_layernorm.weight"] = norm_weight(h)
+        if i < cfg.first_k_dense_replace:
+            swiglu(f"{p}.mlp", cfg.intermediate_size, t)
+        else:
+            t[f"{p}.mlp.gate.weight"] = linear(cfg.num_experts, h)
+            t[f"{p}.mlp.gate.expert_bias"] = normal(cfg.num_experts, std=_EXPERT_BIAS_STD)
+            for e in range(cfg.num_experts):
+                swiglu(f"{p}.mlp.experts.{e}", cfg.moe_intermediate_size, t)
+            # The shared expert(s) are one SwiGLU of width num_shared_experts * moe_intermediate_size.
+            swiglu(f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * cfg.num_shared_experts, t)
+    final_norm = norm_weight(h)
+    final_norm[_BIAS_COORD] = 1.0  # keeps the EOS logit's scale the same for every seed
+    t["model.norm.weight"] = final_norm
+    if not cfg.tie_word_embeddings:
+        row_scale = torch.exp(normal(v, 1, std=_LM_HEAD_ROW_LOGSTD))
+        lm_head = linear(v, h, _LM_HEAD_GAIN) * row_scale
+        if eos_id < v:
+            # EOS reads only the bias coordinate: its logit is EOS_BOOST * g0 / rms(h), seed-independent in scale.
+            lm_head[eos_id] = 0.0
+            lm_head[eos_id, _BIAS_COORD] = _EOS_BOOST
+        t["lm_head.weight"] = lm_head
+    return t
+
+
+def _shard(names: list[str], tensors: dict[str, torch.Tensor], shards: int) -> list[list[str]]:
+    """Split names (in order) into `shards` contiguous groups of roughly equal bytes, none empty."""
+    sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
+    total = sum(sizes)
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    acc = 0
+    for idx, (name, size) in enumerate(zip(names, sizes)):
+        g = min(shards - 1, acc * shards // total)
+        # Never leave a later shard empty: force the split when the remaining names just suffice.
+        remaining_names = len(names) - idx
+        empty_after = sum(1 for j in range(g + 1, shards) if not groups[j])
+        if remaining_names <= empty_after:
+            g = shards - remaining_names
+        groups[g].append(name)
+        acc += size
+    return groups
+
+
+def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, *, dtype: str = "float32", shards: int = 1,
+                         config_overrides: dict[str, Any] | None = None) -> Path:
+    """Write a tiny random LLaDA2 checkpoint to `out_dir` and return its path.
+
+    Layout: config.json, generation_config.json, model.safetensors (or model-0000i-of-0000N.safetensors plus
+    model.safetensors.index.json when shards > 1), tokenizer.json, tokenizer_config.json. Deterministic for a
+    given (seed, dtype, shards, config_overrides). `expert_bias` is always float32, as in LLaDA2.1.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
+    if shards < 1:
+        raise ValueError("shards must be >= 1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = tiny_tokenizer()
+    save_pretrained_tokenizer(tok, out, load_default_chat_template(), model_max_length=TINY_CONFIG[
+        "max_position_embeddings"])
+    n_tok = tok.get_vocab_size(with_added_tokens=True)
+    eos_id = tok.token_to_id(EOS_TOKEN)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    mask_id = tok.token_to_id(MASK_TOKEN)
+
+    raw: dict[str, Any] = {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe",
+                           **TINY_CONFIG, "vocab_size": n_tok, "pad_token_id": eos_id, "torch_dtype": dtype}
+    raw.update(config_overrides or {})
+    if raw["vocab_size"] < n_tok:
+        raise ValueError(f"vocab_size {raw['vocab_size']} is smaller than the tokenizer ({n_tok} tokens)")
+    cfg = ModelConfig.from_dict(raw)  # validates the overrides before any weight is drawn
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tensors = _random_weights(cfg, gen, eos_id, mask_id)
+    target = _DTYPES[dtype]
+    tensors = {n: (t.float() if n.endswith(".expert_bias") else t.to(target)).contiguous()
+               for n, t in tensors.items()}
+
+    for old in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # a re-run with another shard count must not leave stale files
+    meta = {"format": "pt"}
+    names = list(tensors)
+    if shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+    else:
+        if shards > len(names):
+            raise ValueError(f"cannot split {len(names)} tensors into {shards} shards")
+        weight_map: dict[str, str] = {}
+        for k, group in enumerate(_shard(names, tensors, shards), start=1):
+            fname = f"model-{k:05d}-of-{shards:05d}.safetensors"
+            save_file({n: tensors[n] for n in group}, str(out / fname), metadata=meta)
+            weight_map.update({n: fname for n in group})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    config_json = {
+        **raw,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "rope_scaling": None,
+        "router_dtype": "fp32",
+        "use_cache": False,
+        "output_router_logits": False,
+        "eos_token_id": eos_id,
+        "bos_token_id": bos_id,
+    }
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return out

@@ -1,0 +1,309 @@
+"""Tokenizer and chat template for LLaDA2 checkpoints, built on the `tokenizers` library alone.
+
+`transformers` is deliberately not a dependency: a checkpoint's `tokenizer.json` is a complete `tokenizers`
+pipeline, and `tokenizer_config.json` only adds the special-token names and the Jinja chat template, which we
+render ourselves in a sandbox (the template ships with the checkpoint, so it is untrusted input).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as _HFTokenizer
+
+# LLaDA2's special tokens, in the order the official vocabulary lists them. The mask token is what the
+# diffusion decoder writes into undecided positions; `<|role_end|>` closes a chat turn.
+BOS_TOKEN = "<|startoftext|>"
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"
+LLADA2_SPECIAL_TOKENS: tuple[str, ...] = (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    MASK_TOKEN,
+    "<role>",
+    "</role>",
+    "<|role_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+
+_TEMPLATES_DIR = Path(__file__).parent / "templates"
+DEFAULT_CHAT_TEMPLATE_FILE = _TEMPLATES_DIR / "llada2_chat.jinja"
+
+
+class ChatTemplateError(ValueError):
+    """The chat template could not be rendered for these messages (bad template, bad input, sandbox)."""
+
+
+def load_default_chat_template() -> str:
+    """The LLaDA2 chat template redraft ships (used for checkpoints we build ourselves)."""
+    return DEFAULT_CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
+
+
+def _token_content(entry: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as plain strings or as serialized AddedToken dicts.
+    if entry is None:
+        return None
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, Mapping) and isinstance(entry.get("content"), str):
+        return entry["content"]
+    raise ValueError(f"unrecognised special-token entry in tokenizer_config.json: {entry!r}")
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call this to reject conversations they cannot format; it surfaces as ChatTemplateError.
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's built-in tojson HTML-escapes `<`, `>`, `&` and `'`; chat templates want plain JSON, as HF gives.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _StrictSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Jinja's sandbox turns an unsafe attribute (`''.__class__`) into an Undefined that prints as ''; we fail
+    loudly instead, so a hostile or broken template is reported rather than silently half-rendered."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+def _make_jinja_env() -> _StrictSandbox:
+    # The same environment Hugging Face builds, so that templates written for `apply_chat_template` render
+    # identically: whitespace control, loop controls (break/continue), and the helper globals.
+    env = _StrictSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=False,
+        extensions=[jinja2.ext.loopcontrols],
+        undefined=jinja2.Undefined,
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_JINJA_ENV = _make_jinja_env()
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox; syntax errors become ChatTemplateError."""
+    try:
+        return _JINJA_ENV.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"invalid chat template (line {exc.lineno}): {exc.message}") from exc
+
+
+def render_chat_template(template: str | jinja2.Template, messages: Sequence[Mapping[str, Any]],
+                         tools: Sequence[Mapping[str, Any]] | None = None,
+                         add_generation_prompt: bool = True, **extra: Any) -> str:
+    """Render a chat template with the variables HF templates expect (messages, tools, add_generation_prompt,
+    special-token strings passed in `extra`)."""
+    compiled = compile_chat_template(template) if isinstance(template, str) else template
+    try:
+        return compiled.render(messages=list(messages), tools=list(tools) if tools else None,
+                               add_generation_prompt=add_generation_prompt, **extra)
+    except jinja2.exceptions.SecurityError as exc:
+        raise ChatTemplateError(f"chat template attempted an unsafe operation: {exc}") from exc
+    except jinja2.exceptions.TemplateError as exc:
+        # Covers raise_exception, undefined-variable errors and runtime template errors.
+        raise ChatTemplateError(f"chat template error: {exc}") from exc
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+        # Malformed messages (e.g. content of an unexpected type) fail inside template expressions.
+        raise ChatTemplateError(f"chat template could not format the messages: {type(exc).__name__}: {exc}") from exc
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: byte-level BPE from `tokenizer.json` plus `tokenizer_config.json` metadata.
+
+    Special-token ids are looked up by name in the vocabulary, never hard-coded: LLaDA2's `<|mask|>` id is
+    another token's id in the related Ling-2.0 tokenizer.
+    """
+
+    def __init__(self, tokenizer: _HFTokenizer, config: Mapping[str, Any] | None = None) -> None:
+        self._tok = tokenizer
+        self.config: dict[str, Any] = dict(config or {})
+        self.chat_template: str | None = self._read_chat_template(self.config.get("chat_template"))
+
+        self.mask_token: str = _token_content(self.config.get("mask_token")) or MASK_TOKEN
+        self.eos_token: str = _token_content(self.config.get("eos_token")) or EOS_TOKEN
+        self.pad_token: str = _token_content(self.config.get("pad_token")) or self.eos_token
+        self.bos_token: str | None = _token_content(self.config.get("bos_token"))
+
+        mask_id = self._tok.token_to_id(self.mask_token)
+        if mask_id is None:
+            raise ValueError(f"the tokenizer has no mask token {self.mask_token!r}: LLaDA2 decoding needs one "
+                             "(is this a LLaDA2 checkpoint?)")
+        eos_id = self._tok.token_to_id(self.eos_token)
+        if eos_id is None:
+            raise ValueError(f"the tokenizer has no EOS token {self.eos_token!r}")
+        pad_id = self._tok.token_to_id(self.pad_token)
+        if pad_id is None:
+            raise ValueError(f"the tokenizer has no pad token {self.pad_token!r}")
+        self.mask_token_id: int = mask_id
+        self.eos_token_id: int = eos_id
+        self.pad_token_id: int = pad_id
+        self.bos_token_id: int | None = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self._compiled_template: jinja2.Template | None = None
+
+    @staticmethod
+    def _read_chat_template(raw: Any) -> str | None:
+        # Some configs store a list of named templates; the one called "default" is what HF applies.
+        if raw is None or isinstance(raw, str):
+            return raw
+        if isinstance(raw, list):
+            named = {t.get("name"): t.get("template") for t in raw if isinstance(t, Mapping)}
+            return named.get("default")
+        raise ValueError(f"unrecognised chat_template entry in tokenizer_config.json: {type(raw).__name__}")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        tok_path = model_dir / "tokenizer.json"
+        if not tok_path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+        cfg_path = model_dir / "tokenizer_config.json"
+        config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        # A separate chat_template.jinja (newer HF layout) wins over an absent config entry.
+        jinja_path = model_dir / "chat_template.jinja"
+        if not config.get("chat_template") and jinja_path.is_file():
+            config["chat_template"] = jinja_path.read_text(encoding="utf-8")
+        return cls(_HFTokenizer.from_file(str(tok_path)), config)
+
+    # ----- basic encode / decode -----
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the model's embedding may be padded beyond this)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (e.g. for incremental detokenizers)."""
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids for `text`; never adds BOS/EOS (LLaDA2 adds none). Special-token strings in the text
+        map to their ids, as in HF."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
+        return [self._tok.id_to_token(int(i)) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    @property
+    def special_token_ids(self) -> set[int]:
+        """Ids of every added token flagged special (skipped by decode(skip_special_tokens=True))."""
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    # ----- chat -----
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
+        """Render the checkpoint's chat template (sandboxed) and return the prompt text."""
+        if not self.chat_template:
+            raise ChatTemplateError("this checkpoint's tokenizer_config.json has no chat_template; "
+                                    "send a plain prompt (completions / input_ids) instead")
+        if self._compiled_template is None:
+            self._compiled_template = compile_chat_template(self.chat_template)
+        # Like HF, expose the special-token strings to the template; caller-supplied values win.
+        variables: dict[str, Any] = {"bos_token": self.bos_token or "", "eos_token": self.eos_token,
+                                     "pad_token": self.pad_token, "mask_token": self.mask_token}
+        variables.update(extra)
+        return render_chat_template(self._compiled_template, messages, tools=tools,
+                                    add_generation_prompt=add_generation_prompt, **variables)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tools=tools, **extra))
+
+
+# ----- building tokenizers for checkpoints we create (tiny test models, the demo model) -----
+def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int,
+                        special_tokens: Sequence[str] = LLADA2_SPECIAL_TOKENS) -> _HFTokenizer:
+    """Train a byte-level BPE like LLaDA2's (no BOS/EOS added) on `corpus`.
+
+    `vocab_size` counts the special tokens and the 256 byte symbols; a small corpus may stop short of it.
+    Special tokens get the lowest ids and are matched whole in any text, so chat-formatted training text
+    never has its markers split into merges.
+    """
+    base = 256 + len(special_tokens)
+    if vocab_size < base:
+        raise ValueError(f"vocab_size must be at least {base} (256 bytes + {len(special_tokens)} special tokens)")
+    tok = _HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    specials = [AddedToken(t, special=True, normalized=False) for t in special_tokens]
+    # Registering them before training makes the trainer skip them in the corpus.
+    tok.add_special_tokens(specials)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no unknown tokens
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def save_pretrained_tokenizer(tok: _HFTokenizer, out_dir: str | Path, chat_template: str | None,
+                              *, model_max_length: int = 32768) -> None:
+    """Write `tokenizer.json` and a HF-style `tokenizer_config.json` carrying LLaDA2's special tokens."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    added = {
+        str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                 "single_word": t.single_word, "special": t.special}
+        for i, t in sorted(tok.get_added_tokens_decoder().items())
+    }
+    config: dict[str, Any] = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": added,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "mask_token": MASK_TOKEN,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                   encoding="utf-8")

@@ -1,0 +1,1 @@
+"""redraft.kernels"""

@@ -1,0 +1,3 @@
+from redraft.cli import main
+
+raise SystemExit(main())

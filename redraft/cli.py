@@ -1,0 +1,110 @@
+"""The `redraft` command: serve, generate, make-tiny, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="checkpoint directory (Hugging Face layout); default: the bundled demo model")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--quantization", default=None, choices=["fp8"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache capacity in tokens")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--default-mode", default="Q", choices=["S", "Q", "auto"])
+    p.add_argument("--log-level", default="info")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        device=args.device,
+        dtype=args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
+        kernel_backend=args.kernel_backend,
+        quantization=args.quantization,
+        load_format=args.load_format,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        default_mode=args.default_mode,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from redraft.engine.engine import Engine
+
+    engine = Engine(args.model, **engine_kwargs(args))
+    if args.raw:
+        prompt_ids = engine.tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    for key in ("mode", "threshold", "edit_threshold", "max_post_steps", "seed"):
+        if getattr(args, key) is not None:
+            params[key] = getattr(args, key)
+    out = engine.generate(input_ids=prompt_ids, sampling_params=params)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(out["text"])
+        m = out["meta_info"]
+        print(f"[{m['completion_tokens']} tokens, {m['steps']} forwards, {m['tokens_per_forward']:.2f} tokens/forward, "
+              f"{m['edits']} edits, mode {m['mode']}, finish {m['finish_reason']['type']}]", file=sys.stderr)
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from redraft.engine.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(args.out, seed=args.seed, dtype=args.dtype, shards=args.shards)
+    print(f"wrote a tiny random LLaDA2 checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="one prompt -> completion, offline")
+    _add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--mode", choices=["S", "Q", "auto"], default=None)
+    gen.add_argument("--threshold", type=float, default=None)
+    gen.add_argument("--edit-threshold", type=float, default=None)
+    gen.add_argument("--max-post-steps", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    gen.set_defaults(func=cmd_generate)
+
+    tiny = sub.add_parser("make-tiny", help="write a tiny random LLaDA2 checkpoint (Hugging Face layout)")
+    tiny.add_argument("out")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    tiny.add_argument("--shards", type=int, default=1)
+    tiny.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"redraft: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""One request's decoding state, block by block. Torch-free: plain lists of token ids.
+
+Lifecycle of a block b (the official loop, with a paged cache):
+    begin:  the block is filled with MASK after any prompt tokens it shares (only the first block does)
+    each iteration, before the forward (`pre_forward`): if the block has no mask, `post += 1`; once
+            `post > max_post_steps` the block ends without a forward. Its last edits came after its last
+            forward, so its cached K/V are stale: it stays uncached and joins the next block's window.
+    after the forward (`apply_step`): the step's result replaces the block; every earlier block in the
+            window now has exact K/V. If the block had no mask and nothing was edited, it ends, and the
+            forward that saw its final tokens wrote exact K/V: no extra forward.
+    end:    stop at EOS / a stop token / the last block, else begin block b + 1.
+The query window of a forward is blocks [cached_blocks, active_block]: uncached prompt blocks (prefill),
+a stale block, and the active block, block-causal, in one pass.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from redraft.engine.sampling_params import ResolvedParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the EOS / stop token id or stop string that ended it
+    message: str | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {"type": self.kind}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class DecodeStats:
+    steps: int = 0  # denoising forwards spent on this request
+    m2t: int = 0  # masks filled
+    edits: int = 0  # T2T replacements
+    blocks: int = 0  # blocks finished
+    cutoffs: int = 0  # blocks ended by max_post_steps (stale K/V, recomputed in the next window)
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: ResolvedParams
+    mask_id: int
+    eos_id: int
+    block_size: int = 32
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)  # prompt + generated, through the active block
+    active_block: int = -1
+    cached_blocks: int = 0  # blocks [0, cached_blocks) have exact K/V in their pages
+    prefix_cached_tokens: int = 0  # tokens matched in the prefix cache at admission
+    pages: list[int] = field(default_factory=list)  # one KV page per block, through the active block
+    post: int = 0
+    finish_reason: FinishReason | None = None
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    # Index of the first block never handed out (for streaming committed blocks).
+    emitted_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    # ---- geometry -----------------------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def first_block(self) -> int:
+        return self.prompt_len // self.block_size
+
+    @property
+    def last_block(self) -> int:
+        return (self.prompt_len + self.params.params.max_new_tokens - 1) // self.block_size
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks (= pages) the request holds at most."""
+        return self.last_block + 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def block_slice(self, b: int) -> slice:
+        return slice(b * self.block_size, (b + 1) * self.block_size)
+
+    def active_tokens(self) -> list[int]:
+        return self.tokens[self.block_slice(self.active_block)]
+
+    def editable_mask(self) -> list[bool]:
+        start = self.active_block * self.block_size
+        return [start + i >= self.prompt_len for i in range(self.block_size)]
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Admitted: begin the block that holds the end of the prompt."""
+        self.status = Status.RUNNING
+        self._begin_block(self.first_block)
+
+    def _begin_block(self, b: int) -> None:
+        self.active_block = b
+        self.post = 0
+        end = (b + 1) * self.block_size
+        self.tokens = self.tokens[: max(b * self.block_size, self.prompt_len)]
+        self.tokens += [self.mask_id] * (end - len(self.tokens))
+
+    def pre_forward(self) -> bool:
+        """The check before a forward. Returns False when the active block ends here (no forward)."""
+        if self.mask_id not in self.active_tokens():
+            self.post += 1
+        return self.post <= self.params.max_post_steps
+
+    def window_blocks(self, max_tokens: int | None = None) -> tuple[int, int, bool]:
+        """(first, last, decodes) blocks of the next forward. With a token budget too small for the whole
+        window, a prefill chunk of uncached blocks before the active one (decodes=False)."""
+        first, last = self.cached_blocks, self.active_block
+        if max_tokens is not None and (last - first + 1) * self.block_size > max_tokens:
+            n = max(1, max_tokens // self.block_size)
+            return first, min(first + n, last) - 1, False
+        return first, last, True
+
+    def mark_prefilled(self, through_block: int) -> None:
+        self.cached_blocks = max(self.cached_blocks, through_block + 1)
+
+    def apply_step(self, new_block: list[int], had_mask: bool, m2t: int, t2t: int) -> bool:
+        """Record one denoising forward's result. Returns True when the active block ended."""
+        self.stats.steps += 1
+        self.stats.m2t += m2t
+        self.stats.edits += t2t
+        self.cached_blocks = self.active_block  # everything before the active block is exact now
+        self.tokens[self.block_slice(self.active_block)] = new_block
+        if not had_mask and t2t == 0:
+            self.cached_blocks = self.active_block + 1  # the forward saw the final tokens
+            return True
+        return False
+
+    def end_block(self, stale: bool) -> FinishReason | None:
+        """The active block is final. Returns why the request finishes, or None to go on."""
+        self.stats.blocks += 1
+        self.stats.cutoffs += int(stale)
+        generated = self.tokens[self.prompt_len : (self.active_block + 1) * self.block_size]
+        stops = self._stop_ids()
+        if self.active_block < self.last_block and not any(t in stops for t in generated):
+            return None
+        out = self.output_ids()
+        if out and out[-1] in stops:
+            return FinishReason("stop", matched=out[-1])
+        return FinishReason("length")
+
+    def _stop_ids(self) -> set[int]:
+        p = self.params.params
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_id})
+
+    def advance(self) -> None:
+        self._begin_block(self.active_block + 1)
+
+    def output_ids(self) -> list[int]:
+        """Generated tokens cut to max_new_tokens, then through the first EOS/stop token if any."""
+        out = self.tokens[self.prompt_len : self.prompt_len + self.params.params.max_new_tokens]
+        stops = self._stop_ids()
+        for i, t in enumerate(out):
+            if t in stops:
+                return out[: i + 1]
+        return list(out)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
