@@ -10,7 +10,6 @@ import logging
 import secrets
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,11 +18,11 @@ import torch
 
 from redraft.engine.config import BLOCK_SIZE, ModelConfig
 from redraft.engine.loader import load_model, resolve_dtype
-from redraft.engine.model_runner import ModelRunner, WorkItem
+from redraft.engine.model_runner import ModelRunner
 from redraft.engine.sampling_params import SamplingParams
 from redraft.engine.tokenizer import Tokenizer
-from redraft.scheduler.page_pool import PagePool
 from redraft.scheduler.request import FinishReason, Request
+from redraft.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("redraft.engine")
 
@@ -37,7 +36,10 @@ class EngineConfig:
     quantization: str | None = None
     load_format: str = "auto"
     max_total_tokens: int | None = None  # KV cache capacity in tokens; default: sized for the device
-    chunked_prefill_size: int = 8192  # most tokens one request puts into a forward
+    chunked_prefill_size: int = 8192  # prefill-token budget of one iteration
+    max_running_requests: int = 256
+    schedule_policy: str = "fcfs"
+    enable_prefix_cache: bool = True
     default_mode: str = "Q"
     seed: int = 0  # for load_format="dummy"
     progress: bool = True
@@ -88,8 +90,19 @@ class Engine:
         dtype = resolve_dtype(cfg.dtype)
         max_tokens = cfg.max_total_tokens or self._default_kv_tokens(dtype)
         num_pages = max(1, max_tokens // BLOCK_SIZE)
-        self.pool = PagePool(num_pages)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_pages=num_pages, block_size=BLOCK_SIZE, max_running_requests=cfg.max_running_requests,
+                max_prefill_tokens=cfg.chunked_prefill_size, policy=cfg.schedule_policy,
+                enable_prefix_cache=cfg.enable_prefix_cache and not cfg.recompute_prefix,
+            ),
+            stop_checker=self.stop_string_hit,
+        )
         self.runner = ModelRunner(self.model, num_pages, self.tokenizer.mask_token_id, cfg.device)
+
+    @property
+    def pool(self):
+        return self.scheduler.pool
 
     def _default_kv_tokens(self, dtype: torch.dtype) -> int:
         per_token = ModelRunner.kv_bytes_per_token(self.model_config, dtype)
@@ -147,6 +160,11 @@ class Engine:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if self.tokenizer.mask_token_id in ids:
+            raise ValueError(
+                f"the prompt contains the mask token (id {self.tokenizer.mask_token_id}); redraft generates after "
+                "the prompt and does not infill masks inside it"
+            )
         if len(ids) + params.max_new_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
@@ -158,72 +176,31 @@ class Engine:
             rid=uuid.uuid4().hex, prompt_ids=list(ids), params=params.resolved(self.config.default_mode),
             mask_id=self.tokenizer.mask_token_id, eos_id=self.tokenizer.eos_token_id,
         )
-        if req.total_blocks > self.pool.capacity:
-            raise ValueError(
-                f"the request needs {req.total_blocks * BLOCK_SIZE} tokens of KV cache; "
-                f"the cache holds {self.pool.capacity * BLOCK_SIZE} (raise max_total_tokens)"
-            )
         return req
 
     def _run_to_completion(self, reqs: list[Request]) -> None:
-        waiting: deque[Request] = deque(reqs)
-        running: list[Request] = []
+        sched = self.scheduler
+        for req in reqs:
+            sched.add_request(req)
         try:
-            while waiting or running:
-                while waiting:  # admit while the pool can hold a request's every block
-                    pages = self.pool.alloc(waiting[0].total_blocks)
-                    if pages is None:
-                        break
-                    req = waiting.popleft()
-                    req.pages = pages
-                    req.start()
-                    running.append(req)
-                if not running:
-                    raise RuntimeError("KV cache too small for the next request")
-                self._step(running)
-                for req in [r for r in running if r.finished]:
-                    running.remove(req)
-                    self.pool.free(req.pages)
-                    req.pages = []
+            while sched.has_work():
+                self.step()
         finally:  # an exception must not leak pages
-            for req in running:
-                if req.pages:
-                    self.pool.free(req.pages)
-                    req.pages = []
+            for req in reqs:
+                sched.abort(req.rid)
+            sched.drain_updates()
 
-    def _step(self, running: list[Request]) -> None:
-        items: list[WorkItem] = []
-        for req in running:
-            while not req.pre_forward():  # the block ends before a forward (max_post_steps)
-                if self._end_block(req, stale=True):
-                    break
-            if req.finished:
-                continue
-            if self.config.recompute_prefix:
-                req.cached_blocks = 0
-            first, last, decodes = req.window_blocks(self.config.chunked_prefill_size)
-            items.append(WorkItem(req, first, last, decodes))
-        if not items:
-            return
-        out = self.runner.run(items)
-        decoding = [it for it in items if it.decodes]
-        for it in items:
-            if not it.decodes:
-                it.req.mark_prefilled(it.last)
-        for i, it in enumerate(decoding):
-            if it.req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i]):
-                self._end_block(it.req, stale=False)
+    def step(self) -> None:
+        """One iteration: schedule, one forward for the whole batch, apply the decoding step."""
+        items = self.scheduler.schedule()
+        if self.config.recompute_prefix:  # benchmark baseline: nothing is ever cached
+            for it in items:
+                it.req.cached_blocks = 0
+                it.first = 0
+        if items:
+            self.scheduler.update(items, self.runner.run(items))
 
-    def _end_block(self, req: Request, stale: bool) -> bool:
-        """Finish the active block; returns True when the request finished."""
-        reason = req.end_block(stale) or self._stop_string_hit(req)
-        if reason is not None:
-            req.finish(reason)
-            return True
-        req.advance()
-        return False
-
-    def _stop_string_hit(self, req: Request) -> FinishReason | None:
+    def stop_string_hit(self, req: Request) -> FinishReason | None:
         stops = req.params.params.stop
         if not stops:
             return None

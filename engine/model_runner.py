@@ -7,8 +7,6 @@ reads/writes the rows the page ids point at).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from redraft.engine.config import BLOCK_SIZE, ModelConfig
@@ -16,29 +14,9 @@ from redraft.engine.decoding import SamplingBatch, StepResult, joint_threshold_s
 from redraft.engine.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
 from redraft.scheduler.request import Request
+from redraft.scheduler.scheduler import DecodeOutput, WorkItem
 
 log = logging.getLogger("redraft.runner")
-
-
-@dataclass
-class WorkItem:
-    """One request's share of a forward: blocks [first, last]; `decodes` if `last` is its active block."""
-
-    req: Request
-    first: int
-    last: int
-    decodes: bool
-
-
-@dataclass
-class DecodeOutput:
-    """Per decoding item, plain Python lists (ready for the torch-free request state)."""
-
-    tokens: list[list[int]]
-    had_mask: list[bool]
-    m2t: list[int]
-    t2t: list[int]
-    confidence: list[list[float]]
 
 
 class ModelRunner:
@@ -78,7 +56,7 @@ class ModelRunner:
 
         decoding = [i for i, it in enumerate(items) if it.decodes]
         if not decoding:
-            return DecodeOutput([], [], [], [], [])
+            return DecodeOutput()
         ends = meta.cu_q[1:][decoding]  # [N] flat end of each decoding window = end of its active block
         rows = ends[:, None] - b + torch.arange(b, device=self.device)[None, :]  # [N, B]
         logits = self.model.logits(hidden[rows])  # [N, B, V]
@@ -89,7 +67,6 @@ class ModelRunner:
             had_mask=result.had_mask.tolist(),
             m2t=result.m2t.sum(-1).tolist(),
             t2t=result.t2t.sum(-1).tolist(),
-            confidence=result.confidence.tolist(),
         )
 
     def _step(self, logits: torch.Tensor, reqs: list[Request]) -> StepResult:

@@ -56,14 +56,15 @@ TINY_CONFIG: dict[str, Any] = {
 # Init scales, tuned by measuring top-1 confidences of the final logits (see the module docstring).
 _EMBED_STD = 1.0
 _LM_HEAD_GAIN = 1.5  # logits std ~ gain * row scale (the final norm makes |h| = sqrt(H))
-_LM_HEAD_ROW_LOGSTD = 0.5  # log-normal spread of row norms: a few tokens are "confident favourites"
+_LM_HEAD_ROW_LOGSTD = 0.6  # log-normal spread of row norms: a few tokens are "confident favourites"
 _QK_NORM_GAIN = 2.0  # sharper attention, so neighbouring mask positions diverge
 # Hidden coordinate 0 is a "bias unit": every embedding row holds the same value there and no layer writes to
 # it, so after the final norm it is positive at every position (larger where the state is quieter). The EOS
 # row of lm_head gets a positive weight on it, which makes EOS reachable whatever the seed.
 _BIAS_COORD = 0
 _BIAS_VALUE = 1.0
-_EOS_BOOST = 15.0
+_EOS_BOOST = 13.0
+_SELF_COPY = 20.0  # lm_head leans towards each token's own embedding: filled positions tend to keep their token
 _MASK_EMBED_SCALE = 0.05  # a masked position's state should come from its context, not the mask embedding
 _EXPERT_BIAS_STD = 0.05
 
@@ -177,10 +178,19 @@ def _random_weights(cfg: ModelConfig, gen: torch.Generator, eos_id: int, mask_id
     if not cfg.tie_word_embeddings:
         row_scale = torch.exp(normal(v, 1, std=_LM_HEAD_ROW_LOGSTD))
         lm_head = linear(v, h, _LM_HEAD_GAIN) * row_scale
+        if mask_id < v:
+            # The decoder must never "unmask" to MASK itself: a strongly negative weight on the bias unit.
+            lm_head[mask_id] = 0.0
+            lm_head[mask_id, _BIAS_COORD] = -_EOS_BOOST
         if eos_id < v:
             # EOS reads only the bias coordinate: its logit is EOS_BOOST * g0 / rms(h), seed-independent in scale.
             lm_head[eos_id] = 0.0
             lm_head[eos_id, _BIAS_COORD] = _EOS_BOOST
+        copy = (_SELF_COPY / h) * embed
+        copy[:, _BIAS_COORD] = 0.0  # the bias unit carries no token identity
+        if mask_id < v:
+            copy[mask_id] = 0.0
+        lm_head += copy
         t["lm_head.weight"] = lm_head
     return t
 

@@ -68,14 +68,21 @@ class Request:
     post: int = 0
     finish_reason: FinishReason | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
-    # Index of the first block never handed out (for streaming committed blocks).
-    emitted_blocks: int = 0
+    # Blocks [0, final_blocks) hold final tokens (prompt blocks, then every ended block).
+    final_blocks: int = 0
+    # Scheduler bookkeeping: arrival order (newest is preempted first), the radix node locked for the
+    # prefix this request reads from the tree, and how many leading pages the tree owns.
+    arrival: int = 0
+    cache_node: object | None = None
+    tree_blocks: int = 0
+    block_start_steps: int = 0  # stats.steps when the active block began (restored on preemption)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+        self.final_blocks = self.prompt_len // self.block_size
 
     # ---- geometry -----------------------------------------------------------------------------------
     @property
@@ -111,12 +118,28 @@ class Request:
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Admitted: begin the block that holds the end of the prompt."""
+        """Admitted (or re-admitted after preemption): begin the first block that is not final yet."""
         self.status = Status.RUNNING
-        self._begin_block(self.first_block)
+        self._begin_block(self.final_blocks)
+
+    def preempt(self) -> None:
+        """Back to waiting; final blocks are kept, the active block will start over from all-mask (the
+        official loop is deterministic from a block's start, so the outcome is unchanged)."""
+        self.status = Status.WAITING
+        self.stats.steps = self.block_start_steps
+        self.tokens = self.tokens[: max(self.final_blocks * self.block_size, self.prompt_len)]
+        self.active_block = -1
+        self.cached_blocks = 0
+        self.pages = []
+        self.post = 0
+
+    def prefix_tokens(self) -> list[int]:
+        """The whole final blocks a prefix-cache lookup may match."""
+        return self.tokens[: self.final_blocks * self.block_size]
 
     def _begin_block(self, b: int) -> None:
         self.active_block = b
+        self.block_start_steps = self.stats.steps
         self.post = 0
         end = (b + 1) * self.block_size
         self.tokens = self.tokens[: max(b * self.block_size, self.prompt_len)]
@@ -156,6 +179,7 @@ class Request:
         """The active block is final. Returns why the request finishes, or None to go on."""
         self.stats.blocks += 1
         self.stats.cutoffs += int(stale)
+        self.final_blocks = self.active_block + 1
         generated = self.tokens[self.prompt_len : (self.active_block + 1) * self.block_size]
         stops = self._stop_ids()
         if self.active_block < self.last_block and not any(t in stops for t in generated):
@@ -173,8 +197,9 @@ class Request:
         self._begin_block(self.active_block + 1)
 
     def output_ids(self) -> list[int]:
-        """Generated tokens cut to max_new_tokens, then through the first EOS/stop token if any."""
-        out = self.tokens[self.prompt_len : self.prompt_len + self.params.params.max_new_tokens]
+        """Generated tokens of the final blocks, cut to max_new_tokens, then through the first EOS/stop token."""
+        end = min(self.final_blocks * self.block_size, self.prompt_len + self.params.params.max_new_tokens)
+        out = self.tokens[self.prompt_len : end]
         stops = self._stop_ids()
         for i, t in enumerate(out):
             if t in stops:

@@ -1,0 +1,284 @@
+"""Continuous batching at block granularity, with a block radix prefix cache. Torch-free.
+
+Each iteration (`schedule` -> model runner -> `update`):
+  1. running requests run their pre-forward check (a block may end here, by max_post_steps);
+  2. each running request gets a page for its active block: from the pool, else by evicting unlocked cache
+     leaves, else by preempting the newest running request (its exact blocks stay cached);
+  3. waiting requests are admitted (FCFS, or longest-prefix-first) while there is room: a free running
+     slot, pages for their uncached prompt blocks and first block, and prefill-token budget;
+  4. the batch: one denoising window for every running request, with prefill chunks (uncached prompt
+     blocks, block-causal) limited by the per-iteration prefill-token budget.
+After the forward, blocks whose K/V became exact are inserted into the radix tree (prompt blocks after
+their prefill, generated blocks as they are committed), so the next turn of a chat reuses them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from redraft.scheduler.page_pool import PagePool
+from redraft.scheduler.radix_cache import RadixCache
+from redraft.scheduler.request import FinishReason, Request, Status
+
+
+class QueueFull(Exception):
+    """The waiting queue is at --max-queued-requests."""
+
+
+class RequestTooLarge(ValueError):
+    """The request can never fit in the KV cache."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int
+    block_size: int = 32
+    max_running_requests: int = 256
+    max_queued_requests: int | None = None
+    max_prefill_tokens: int = 8192  # prefill-chunk token budget per iteration
+    policy: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "lpm"):
+            raise ValueError(f"policy must be fcfs or lpm, got {self.policy!r}")
+        if self.max_prefill_tokens < self.block_size:
+            raise ValueError("max_prefill_tokens must hold at least one block")
+
+
+@dataclass
+class WorkItem:
+    """One request's share of a forward: blocks [first, last]; `decodes` when `last` is its active block."""
+
+    req: Request
+    first: int
+    last: int
+    decodes: bool
+
+
+@dataclass
+class DecodeOutput:
+    """The model runner's answer for the decoding items of a batch, in order, as plain lists."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    had_mask: list[bool] = field(default_factory=list)
+    m2t: list[int] = field(default_factory=list)
+    t2t: list[int] = field(default_factory=list)
+
+
+StopChecker = Callable[[Request], "FinishReason | None"]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, stop_checker: StopChecker | None = None):
+        self.config = config
+        self.pool = PagePool(config.num_pages)
+        self.cache = RadixCache(self.pool, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stop_checker = stop_checker
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+        # Requests whose committed output changed or that finished since the last drain.
+        self._updated: dict[str, Request] = {}
+
+    # ---- queue ------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFull(f"the queue is full ({limit} waiting requests)")
+        if req.total_blocks > self.pool.capacity:
+            raise RequestTooLarge(
+                f"the request needs {req.total_blocks * self.config.block_size} tokens of KV cache; "
+                f"the cache holds {self.pool.capacity * self.config.block_size}"
+            )
+        req.arrival = next(self._arrivals)
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        """Idempotent: aborting an unknown or finished request does nothing and returns False."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._finish(req, FinishReason("abort"))
+                return True
+        for req in self.running:
+            if req.rid == rid:
+                self._finish(req, FinishReason("abort"))
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def drain_updates(self) -> list[Request]:
+        out = list(self._updated.values())
+        self._updated.clear()
+        return out
+
+    def flush_cache(self) -> bool:
+        """Drop every cached block; refused (False) while a request still reads from the tree."""
+        return self.cache.reset()
+
+    # ---- one iteration ----------------------------------------------------------------------------
+    def schedule(self) -> list[WorkItem]:
+        for req in list(self.running):
+            while not req.finished and not req.pre_forward():
+                self._end_block(req, stale=True)
+        self._grow_running()
+        self._admit()
+        return self._build_batch()
+
+    def update(self, items: list[WorkItem], out: DecodeOutput) -> None:
+        decoding = [it for it in items if it.decodes]
+        for it in items:
+            if not it.decodes and not it.req.finished:
+                it.req.mark_prefilled(it.last)
+        for i, it in enumerate(decoding):
+            req = it.req
+            if req.finished:  # aborted while the forward ran
+                continue
+            if req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i]):
+                self._end_block(req, stale=False)
+        for it in items:
+            if not it.req.finished:
+                self._cache_exact_blocks(it.req)
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _end_block(self, req: Request, stale: bool) -> None:
+        reason = req.end_block(stale)
+        if reason is None and self.stop_checker is not None:
+            reason = self.stop_checker(req)
+        self._updated[req.rid] = req
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            req.advance()
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish(reason)
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        self._updated[req.rid] = req
+
+    def _release(self, req: Request) -> None:
+        """Hand the exact blocks to the tree, free the rest, unlock the prefix."""
+        if req.pages and self.config.enable_prefix_cache:
+            self._cache_exact_blocks(req)
+        leftover = req.pages[req.tree_blocks :]
+        if leftover:
+            self.pool.free(leftover)
+        if req.cache_node is not None:
+            self.cache.dec_lock(req.cache_node)
+        req.cache_node = None
+        req.tree_blocks = 0
+        req.pages = []
+
+    def _cache_exact_blocks(self, req: Request) -> None:
+        n = req.cached_blocks
+        if not self.config.enable_prefix_cache or n <= req.tree_blocks:
+            return
+        tokens = req.tokens[: n * self.config.block_size]
+        self.cache.insert(tokens, req.pages[:n])  # the tree takes new pages, frees our duplicates
+        match = self.cache.match_prefix(tokens, record_stats=False)
+        self.cache.inc_lock(match.last_node)
+        if req.cache_node is not None:
+            self.cache.dec_lock(req.cache_node)
+        req.cache_node = match.last_node
+        req.pages[:n] = match.pages
+        req.tree_blocks = n
+
+    def _alloc(self, n: int) -> list[int] | None:
+        pages = self.pool.alloc(n)
+        if pages is None and n > self.pool.num_free:
+            self.cache.evict(n - self.pool.num_free)
+            pages = self.pool.alloc(n)
+        return pages
+
+    def _grow_running(self) -> None:
+        """A page for every running request's active block, oldest first; preempt the newest if need be."""
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            need = req.active_block + 1 - len(req.pages)
+            while need > 0 and req in self.running:
+                pages = self._alloc(need)
+                if pages is not None:
+                    req.pages.extend(pages)
+                    break
+                victim = max(self.running, key=lambda r: r.arrival)
+                self._preempt(victim)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.preempt()
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _admit(self) -> None:
+        budget = self.config.max_prefill_tokens
+        b = self.config.block_size
+        while self.waiting and len(self.running) < self.config.max_running_requests and budget >= b:
+            req = self._pick_waiting()
+            match = (self.cache.match_prefix(req.prefix_tokens()) if self.config.enable_prefix_cache else None)
+            matched = len(match.pages) if match else 0
+            need = req.final_blocks + 1 - matched  # uncached final blocks + the first open block
+            if match is not None:
+                self.cache.inc_lock(match.last_node)  # protect the match from our own eviction
+            pages = self._alloc(need)
+            if pages is None:
+                if match is not None:
+                    self.cache.dec_lock(match.last_node)
+                if not self.running:
+                    raise RuntimeError("KV cache too small to admit a single request")
+                break
+            self.waiting.remove(req)
+            req.pages = (match.pages if match else []) + pages
+            req.cache_node = match.last_node if match else None
+            req.tree_blocks = matched
+            req.cached_blocks = matched
+            if req.stats.steps == 0 and req.final_blocks == req.first_block:
+                req.prefix_cached_tokens = matched * b
+            req.start()
+            self.running.append(req)
+            budget -= (req.active_block - matched) * b
+
+    def _pick_waiting(self) -> Request:
+        if self.config.policy == "fcfs" or len(self.waiting) == 1:
+            return self.waiting[0]
+        # longest prefix match first; ties keep arrival order (max returns the first maximum)
+        return max(self.waiting, key=lambda r: len(self.cache.match_prefix(r.prefix_tokens(), record_stats=False).pages))
+
+    def _build_batch(self) -> list[WorkItem]:
+        budget = self.config.max_prefill_tokens
+        b = self.config.block_size
+        items = []
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            first, last = req.cached_blocks, req.active_block
+            prefill_blocks = max(0, last - first - 1)  # beyond the active block and one stale block
+            if prefill_blocks * b <= budget:
+                budget -= prefill_blocks * b
+                items.append(WorkItem(req, first, last, True))
+            elif budget >= b:
+                n = budget // b
+                budget -= n * b
+                items.append(WorkItem(req, first, first + n - 1, False))
+        return items
+
+    # ---- stats --------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        b = self.config.block_size
+        return {
+            "num_running_reqs": len(self.running),
+            "num_queue_reqs": len(self.waiting),
+            "num_used_tokens": self.pool.num_used * b,
+            "max_total_tokens": self.pool.capacity * b,
+            "token_usage": self.pool.num_used / max(self.pool.capacity, 1),
+            "cache_hit_rate": self.cache.hit_rate,
+            "cached_tokens": self.cache.cached_pages * b,
+            "num_preemptions": self.num_preemptions,
+        }
