@@ -6,6 +6,8 @@ One forward proposes a token for every position of each request's active block; 
     T2T: already-placed, non-prompt positions whose proposal differs from the current token and has
          p > edit_threshold are replaced (strict >).
 Both come from the same forward. Everything here is tensor ops over [N, B] (no per-request Python loop).
+The MASK id is never a proposal: its logit is dropped first. (A trained LLaDA2 never puts mass there; a
+model that did would leave its position masked and could stall a block forever.)
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def joint_threshold_step(
     mask_id: int,
     sampling: SamplingBatch | None = None,
 ) -> StepResult:
+    logits[..., mask_id] = float("-inf")  # in place: the caller's logits are scratch
     v, p = propose(logits, sampling)
     masked = (block == mask_id) & editable  # [N, B]
     m2t = masked & (p > threshold[:, None].to(p.dtype))

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from redraft.engine.config import BLOCK_SIZE, ModelConfig
+from redraft.engine.defaults import default_model_path
 from redraft.engine.loader import load_model, resolve_dtype
 from redraft.engine.model_runner import ModelRunner
 from redraft.engine.sampling_params import SamplingParams
@@ -36,8 +37,10 @@ class EngineConfig:
     quantization: str | None = None
     load_format: str = "auto"
     max_total_tokens: int | None = None  # KV cache capacity in tokens; default: sized for the device
+    mem_fraction_static: float = 0.85  # GPU: fraction of memory for weights + KV cache
     chunked_prefill_size: int = 8192  # prefill-token budget of one iteration
     max_running_requests: int = 256
+    max_queued_requests: int | None = None
     schedule_policy: str = "fcfs"
     enable_prefix_cache: bool = True
     default_mode: str = "Q"
@@ -46,20 +49,6 @@ class EngineConfig:
     # Baseline for benchmarks: every forward recomputes the whole prefix (the official generate() without a
     # KV cache). Outputs are the same; only the work differs.
     recompute_prefix: bool = False
-
-
-def default_model_path() -> Path:
-    """The bundled demo model if this install has one, else a tiny random checkpoint made on the spot."""
-    bundled = Path(__file__).resolve().parent / "demo_model"
-    if (bundled / "config.json").is_file():
-        return bundled
-    cache = Path.home() / ".cache" / "redraft" / "tiny-random-seed0"
-    if not (cache / "config.json").is_file():
-        from redraft.engine.tiny import make_tiny_checkpoint
-
-        make_tiny_checkpoint(cache, seed=0)
-    log.warning("no bundled demo model in this install: serving a tiny RANDOM checkpoint (%s)", cache)
-    return cache
 
 
 class Engine:
@@ -93,7 +82,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=num_pages, block_size=BLOCK_SIZE, max_running_requests=cfg.max_running_requests,
-                max_prefill_tokens=cfg.chunked_prefill_size, policy=cfg.schedule_policy,
+                max_queued_requests=cfg.max_queued_requests, max_prefill_tokens=cfg.chunked_prefill_size, policy=cfg.schedule_policy,
                 enable_prefix_cache=cfg.enable_prefix_cache and not cfg.recompute_prefix,
             ),
             stop_checker=self.stop_string_hit,
@@ -106,6 +95,13 @@ class Engine:
 
     def _default_kv_tokens(self, dtype: torch.dtype) -> int:
         per_token = ModelRunner.kv_bytes_per_token(self.model_config, dtype)
+        if torch.device(self.config.device).type == "cuda":
+            # SGLang's rule: weights + KV cache take mem_fraction_static of the GPU; the rest is activations.
+            free, total = torch.cuda.mem_get_info()
+            budget = int(total * self.config.mem_fraction_static) - (total - free)
+            if budget <= 0:
+                raise ValueError(f"mem_fraction_static={self.config.mem_fraction_static} leaves no room for the KV cache")
+            return budget // per_token
         budget = 512 * 2**20  # CPU: 512 MiB of KV cache at most
         return int(min(max(budget // per_token, 4096), 262144))
 
@@ -135,7 +131,7 @@ class Engine:
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(id_lists)
-        reqs = [self._make_request(ids, p) for ids, p in zip(id_lists, params)]
+        reqs = [self.make_request(ids, p) for ids, p in zip(id_lists, params)]
         t0 = time.perf_counter()
         self._run_to_completion(reqs)
         latency = time.perf_counter() - t0
@@ -153,7 +149,8 @@ class Engine:
         self.shutdown()
 
     # ---- internals ----------------------------------------------------------------------------------
-    def _make_request(self, ids: list[int], params: SamplingParams) -> Request:
+    def make_request(self, ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:
+        """Validate one prompt + parameters into a Request (ValueError with a clear message otherwise)."""
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -173,7 +170,7 @@ class Engine:
         if params.temperature > 0 and params.seed is None:
             params = replace(params, seed=secrets.randbits(62))
         req = Request(
-            rid=uuid.uuid4().hex, prompt_ids=list(ids), params=params.resolved(self.config.default_mode),
+            rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=params.resolved(self.config.default_mode),
             mask_id=self.tokenizer.mask_token_id, eos_id=self.tokenizer.eos_token_id,
         )
         return req
@@ -214,19 +211,31 @@ class Engine:
         reason = req.finish_reason or FinishReason("abort")
         if reason.kind == "stop" and isinstance(reason.matched, str):
             text = text[: text.find(reason.matched)]
-        elif reason.kind == "length":
-            reason = FinishReason("length", matched=None)
-        meta = {
-            "id": req.rid,
-            "finish_reason": reason.to_json() | ({"length": len(ids)} if reason.kind == "length" else {}),
-            "prompt_tokens": req.prompt_len,
-            "completion_tokens": len(ids),
-            "cached_tokens": req.prefix_cached_tokens,
-            "steps": req.stats.steps,
-            "tokens_per_forward": len(ids) / max(req.stats.steps, 1),
-            "edits": req.stats.edits,
-            "blocks": req.stats.blocks,
-            "mode": req.params.mode,
-            "e2e_latency": latency,
-        }
+        meta = request_meta(req) | {"e2e_latency": latency}
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def finish_reason_json(req: Request) -> dict | None:
+    if req.finish_reason is None:
+        return None
+    out = req.finish_reason.to_json()
+    if req.finish_reason.kind == "length":
+        out["length"] = len(req.output_ids())
+    return out
+
+
+def request_meta(req: Request) -> dict:
+    """SGLang-style meta_info, plus the diffusion figures of the request."""
+    n = len(req.output_ids())
+    return {
+        "id": req.rid,
+        "finish_reason": finish_reason_json(req),
+        "prompt_tokens": req.prompt_len,
+        "completion_tokens": n,
+        "cached_tokens": req.prefix_cached_tokens,
+        "steps": req.stats.steps,
+        "tokens_per_forward": n / max(req.stats.steps, 1),
+        "edits": req.stats.edits,
+        "blocks": req.stats.blocks,
+        "mode": req.params.mode,
+    }

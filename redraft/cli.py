@@ -58,6 +58,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from redraft.server.launch import serve
+
+    return serve(args, engine_kwargs(args))
+
+
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from redraft.engine.tiny import make_tiny_checkpoint
 
@@ -69,6 +75,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="the HTTP server (native /generate; OpenAI routes in progress)")
+    _add_engine_args(srv)
+    from redraft.server.launch import add_serve_args
+
+    add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one prompt -> completion, offline")
     _add_engine_args(gen)

@@ -10,7 +10,9 @@ Decisions taken where the facts leave room (the lead's choices, keep them in ste
 - the prompt's partial last block is shared with the first generated tokens, and prompt positions are
   never edited (neither by T2T nor counted as masked);
 - after each block, stop when the generated positions [P, end of block) hold no MASK and hold an EOS;
-- output = x[P : P + max_new_tokens], cut right after the first EOS if there is one.
+- output = x[P : P + max_new_tokens], cut right after the first EOS if there is one;
+- the MASK id is never proposed (its logit is dropped before argmax/softmax): a model that proposed it
+  would leave its position masked and could stall a block forever.
 """
 
 from __future__ import annotations
@@ -286,7 +288,8 @@ def naive_generate(
                 post += 1
             if post > max_post_steps:  # checked before the forward
                 break
-            logits = model.forward_logits(x[:hi])[lo:hi]  # [block, V], everything up to the block's end
+            logits = model.forward_logits(x[:hi])[lo:hi].clone()  # [block, V], everything up to the block's end
+            logits[:, mask_id] = float("-inf")  # MASK is never a proposal
             steps += 1
             v = logits.argmax(dim=-1)  # [block]
             p = torch.softmax(logits, dim=-1).gather(1, v[:, None])[:, 0]  # [block]
@@ -301,6 +304,10 @@ def naive_generate(
             x[lo:hi] = torch.where(update, v, old)
             if not masked.any() and not t2t.any():
                 break
+            if masked.any() and torch.equal(x[lo:hi], old):
+                # only possible when the model proposes the MASK id itself: the next forward would see
+                # the same input and do the same, forever (the official loop has no guard against this)
+                raise RuntimeError(f"no progress in block {b}: the model keeps proposing the MASK id")
         generated = x[P:hi]
         if not (generated == mask_id).any() and (generated == eos_id).any():
             break

@@ -204,7 +204,7 @@ def test_eos_inside_the_prompt_does_not_stop(tinies: TinyCache, mode: str) -> No
     check_meta(out, ids, 40, t.eos_id)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(20)
 @pytest.mark.parametrize("mode", ["S", "Q"])
 def test_mask_token_inside_the_prompt(tinies: TinyCache, mode: str) -> None:
     # A MASK id in the prompt's shared partial block is a prompt token: never filled, never edited, and it

@@ -203,6 +203,14 @@ def test_single_new_token_and_block_aligned_prompt() -> None:
     assert [len(c) for c in model.calls] == [64, 64]  # the whole block 1 is decoded, then cut
 
 
+def test_a_model_that_prefers_mask_still_finishes_the_block() -> None:
+    # the official loop would spin forever (same input, same forward); MASK is never a proposal instead
+    model = Scripted(lambda ids, n: torch.stack([peaked(MASK, 0.9)] * len(ids)))
+    out, steps = gen(model, [1, 2], max_new_tokens=5)
+    assert MASK not in out and len(out) == 5
+    assert steps == len(model.calls) <= 30 + 16
+
+
 # ----------------------------------------------------------------------------------------------
 # model pieces
 # ----------------------------------------------------------------------------------------------

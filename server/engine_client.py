@@ -1,0 +1,231 @@
+"""The HTTP process's handle on the engine process: starts it, talks to it over ZMQ, watches it die.
+
+Every in-flight request has an asyncio queue that the receive loop fills with the engine's progress
+messages. If the engine process exits, every waiting request is failed at once with EngineDead and
+`alive` turns False, so routes answer 503 instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from redraft.engine.engine_process import run_engine_process
+from redraft.engine.sampling_params import SamplingParams
+from redraft.scheduler.messages import (
+    Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong, RejectReq,
+    RequestOutput, ShutdownReq,
+)
+
+log = logging.getLogger("redraft.client")
+
+
+class EngineDead(RuntimeError):
+    """The engine process is gone."""
+
+
+class EngineRejected(Exception):
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class EngineClient:
+    def __init__(self, engine_kwargs: dict[str, Any], log_level: str = "info", startup_timeout: float = 600.0):
+        self.engine_kwargs = engine_kwargs
+        self.log_level = log_level
+        self.startup_timeout = startup_timeout
+        self.info: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {}
+        self.alive = False
+        self.proc: mp.process.BaseProcess | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._ipc_dir = tempfile.mkdtemp(prefix="redraft-")
+        self._to_engine_addr = f"ipc://{self._ipc_dir}/to-engine"
+        self._from_engine_addr = f"ipc://{self._ipc_dir}/from-engine"
+        self.on_finished: list = []  # callbacks(RequestOutput) for metrics
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the engine process and wait (blocking) until it has loaded the model."""
+        self._sync_ctx = zmq.Context()
+        pull = self._sync_ctx.socket(zmq.PULL)
+        pull.bind(self._from_engine_addr)
+        self._push_sync = self._sync_ctx.socket(zmq.PUSH)
+        self._push_sync.bind(self._to_engine_addr)
+        self.proc = mp.get_context("spawn").Process(
+            target=run_engine_process,
+            args=(self.engine_kwargs, self._to_engine_addr, self._from_engine_addr, self.log_level),
+            name="redraft-engine",
+            daemon=True,
+        )
+        self.proc.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if pull.poll(200):
+                msg = pull.recv_pyobj()
+                if isinstance(msg, EngineReady):
+                    self.info = msg.info
+                    break
+                if isinstance(msg, EngineFailed):
+                    self.proc.join(5)
+                    raise RuntimeError(f"the engine failed to start: {msg.message}")
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("the engine did not become ready in time")
+        pull.close(linger=0)
+        self._push_sync.close(linger=0)
+        self._sync_ctx.term()
+        self.alive = True
+
+    async def connect(self) -> None:
+        """Open the asyncio sockets and start the receive and watchdog loops (inside the server's loop)."""
+        self._ctx = zmq.asyncio.Context()
+        self._recv = self._ctx.socket(zmq.PULL)
+        self._recv.bind(self._from_engine_addr)
+        self._send = self._ctx.socket(zmq.PUSH)
+        self._send.bind(self._to_engine_addr)
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watchdog())]
+
+    async def close(self) -> None:
+        """Ask the engine to stop, wait a little, then make sure it is gone."""
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                await self._send.send_pyobj(ShutdownReq())
+            except Exception:  # noqa: BLE001 - best effort, we kill below anyway
+                pass
+            for _ in range(50):
+                if not self.proc.is_alive():
+                    break
+                await asyncio.sleep(0.1)
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+        self.alive = False
+        for task in self._tasks:
+            task.cancel()
+        if hasattr(self, "_ctx"):
+            self._ctx.destroy(linger=0)
+        for name in ("to-engine", "from-engine"):
+            try:
+                os.unlink(os.path.join(self._ipc_dir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self._ipc_dir)
+        except OSError:
+            pass
+
+    def kill_engine_for_tests(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
+    # ---- loops --------------------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            batch = await self._recv.recv_pyobj()
+            for msg in batch:
+                self._dispatch(msg)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, (Accepted, RequestOutput, RejectReq)):
+            pending = self._pending.get(msg.rid)
+            if pending is not None:
+                pending.queue.put_nowait(msg)
+            if isinstance(msg, RequestOutput) and msg.finished:
+                for callback in self.on_finished:
+                    callback(msg)
+        elif isinstance(msg, (Pong, FlushCacheResult)):
+            if isinstance(msg, Pong):
+                self.stats = msg.stats
+            waiter = self._waiters.pop(msg.token, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            if self.proc is not None and not self.proc.is_alive():
+                log.error("the engine process died (exit code %s): failing every request", self.proc.exitcode)
+                self.alive = False
+                for pending in self._pending.values():
+                    pending.queue.put_nowait(EngineDead("the engine process died"))
+                for waiter in self._waiters.values():
+                    if not waiter.done():
+                        waiter.set_exception(EngineDead("the engine process died"))
+                self._waiters.clear()
+                return
+
+    # ---- requests -----------------------------------------------------------------------------------
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[Accepted | RequestOutput]:
+        """Accepted, then progress messages of one request, the last one finished (EngineRejected instead
+        of Accepted when refused). Aborts the request if the consumer goes away before the end."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        if rid in self._pending:
+            raise EngineRejected(400, f"request id {rid!r} is already in flight", "duplicate_request_id")
+        pending = self._pending[rid] = _Pending()
+        try:
+            await self._send.send_pyobj(GenerateReq(rid, list(input_ids), params, time.time()))
+            while True:
+                msg = await pending.queue.get()
+                if isinstance(msg, Exception):
+                    raise msg
+                if isinstance(msg, RejectReq):
+                    pending.finished = True
+                    raise EngineRejected(msg.status, msg.message, msg.code)
+                yield msg
+                if isinstance(msg, RequestOutput) and msg.finished:
+                    pending.finished = True
+                    return
+        finally:
+            self._pending.pop(rid, None)
+            if not pending.finished and self.alive:  # client gone, cancelled or failed: free its pages now
+                await self.abort(rid)
+
+    async def abort(self, rid: str) -> None:
+        if self.alive:
+            await self._send.send_pyobj(AbortReq(rid))
+
+    async def _request(self, msg: Any, timeout: float) -> Any:
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[msg.token] = future
+        await self._send.send_pyobj(msg)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._waiters.pop(msg.token, None)
+
+    async def ping(self, timeout: float = 5.0) -> dict[str, Any]:
+        pong = await self._request(PingReq(uuid.uuid4().hex), timeout)
+        return pong.stats
+
+    async def flush_cache(self, timeout: float = 10.0) -> FlushCacheResult:
+        return await self._request(FlushCacheReq(uuid.uuid4().hex), timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
