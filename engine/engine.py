@@ -238,4 +238,16 @@ def request_meta(req: Request) -> dict:
         "edits": req.stats.edits,
         "blocks": req.stats.blocks,
         "mode": req.params.mode,
+    } | logprob_meta(req)
+
+
+def logprob_meta(req: Request) -> dict:
+    """SGLang's shapes: output_token_logprobs [[logprob, id], ...], output_top_logprobs [[[logprob, id], ...], ...]."""
+    lp = req.output_logprobs()
+    if lp is None:
+        return {}
+    ids = req.output_ids()
+    return {
+        "output_token_logprobs": [[v, t] for v, t in zip(lp[0], ids)],
+        "output_top_logprobs": [[[v, t] for t, v in alts] for alts in lp[1]],
     }

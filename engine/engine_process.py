@@ -66,6 +66,7 @@ def engine_info(engine) -> dict[str, Any]:
         "max_running_requests": engine.scheduler.config.max_running_requests,
         "max_queued_requests": engine.scheduler.config.max_queued_requests,
         "num_params": engine.model_config.num_params(),
+        "vocab_size": engine.model_config.vocab_size,
     }
 
 
@@ -139,13 +140,13 @@ class EngineLoop:
             self._steps_since_log += len(out.tokens)
 
     def _collect_updates(self) -> None:
-        from redraft.engine.engine import finish_reason_json, request_meta  # torch-side, loaded in this process
+        from redraft.engine.engine import finish_reason_json, logprob_meta, request_meta  # loaded in this process
 
         for req in self.sched.drain_updates():
             ids = req.output_ids()
             if req.finished:
                 self._tokens_since_log += len(ids)
-            meta = request_meta(req) if req.finished else {"steps": req.stats.steps}
+            meta = request_meta(req) if req.finished else {"steps": req.stats.steps} | logprob_meta(req)
             self.outbox.append(RequestOutput(req.rid, ids, req.finished, finish_reason_json(req), meta))
 
     def _flush(self) -> None:

@@ -139,7 +139,6 @@ class LLaDA2Model(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.attend: AttentionFn = paged_attention_torch
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] flat query tokens of the whole batch
@@ -152,7 +151,6 @@ class LLaDA2Model(nn.Module):
             h = layer(h, meta, k_cache[i], v_cache[i], self.attend)
         return self.norm(h)
 
-    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] in >= fp32
         return self.lm_head(hidden).to(compute_dtype(hidden.dtype))
 

@@ -62,12 +62,37 @@ class ModelRunner:
         logits = self.model.logits(hidden[rows])  # [N, B, V]
         reqs = [items[i].req for i in decoding]
         result = self._step(logits, reqs)
-        return DecodeOutput(
+        out = DecodeOutput(
             tokens=result.tokens.tolist(),
             had_mask=result.had_mask.tolist(),
             m2t=result.m2t.sum(-1).tolist(),
             t2t=result.t2t.sum(-1).tolist(),
         )
+        wants = [r.params.params.logprobs or r.params.params.top_logprobs > 0 for r in reqs]
+        if any(wants):
+            self._logprobs(logits, result.tokens, reqs, wants, out)
+        return out
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Request], wants: list[bool],
+                  out: DecodeOutput) -> None:
+        """Log-probabilities of the block's tokens after the step, under this forward's raw distribution
+        (no temperature or filtering; MASK excluded), and the top alternatives where asked."""
+        rows = [i for i, w in enumerate(wants) if w]
+        lp = torch.log_softmax(logits[rows], -1)  # [n, B, V]
+        chosen = lp.gather(-1, tokens[rows][..., None]).squeeze(-1).tolist()  # [n, B]
+        k = max(reqs[i].params.params.top_logprobs for i in rows)
+        top_v, top_i = lp.topk(k, -1) if k else (None, None)
+        out.logprobs = [None] * len(reqs)
+        out.top_logprobs = [None] * len(reqs)
+        for j, i in enumerate(rows):
+            out.logprobs[i] = chosen[j]
+            ki = reqs[i].params.params.top_logprobs
+            if ki and top_v is not None:
+                ids, vals = top_i[j, :, :ki].tolist(), top_v[j, :, :ki].tolist()
+                out.top_logprobs[i] = [list(zip(a, b)) for a, b in zip(ids, vals)]
+            else:
+                out.top_logprobs[i] = [[] for _ in range(len(chosen[j]))]
 
     def _step(self, logits: torch.Tensor, reqs: list[Request]) -> StepResult:
         dev = self.device

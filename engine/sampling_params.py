@@ -44,6 +44,8 @@ class SamplingParams:
     max_post_steps: int | None = None
     mbe_window: int = 1
     domain: str | None = None
+    logprobs: bool = False  # per-token logprobs (of the forward that last saw each block)
+    top_logprobs: int = 0  # and the top alternatives at each position, 0..20
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -108,6 +110,10 @@ class SamplingParams:
             fail("stop must hold non-empty strings", "stop")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must hold non-negative integers", "stop_token_ids")
+        if not isinstance(self.logprobs, bool):
+            fail("logprobs must be a boolean", "logprobs")
+        if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
+            fail("top_logprobs must be an integer in [0, 20]", "top_logprobs")
         if self.domain is not None and not isinstance(self.domain, str):
             fail("domain must be a string", "domain")
 

@@ -224,6 +224,17 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (byte-level BPE maps each byte to one printable character);
+        special tokens give their text. For OpenAI's `bytes` field of logprobs."""
+        piece = self._tok.id_to_token(int(token_id)) or ""
+        if int(token_id) in self.special_token_ids:
+            return piece.encode()
+        table = _byte_level_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode()
+
     @property
     def special_token_ids(self) -> set[int]:
         """Ids of every added token flagged special (skipped by decode(skip_special_tokens=True))."""
@@ -249,6 +260,25 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
                     tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools=tools, **extra))
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of byte-level BPE's byte -> printable character table (printable Latin-1 bytes map to
+    themselves; the other bytes, in order, to U+0100 onwards)."""
+    global _BYTE_LEVEL_TABLE
+    if _BYTE_LEVEL_TABLE is None:
+        kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+        table = {chr(b): b for b in kept}
+        extra = 0
+        for b in range(256):
+            if b not in kept:
+                table[chr(256 + extra)] = b
+                extra += 1
+        _BYTE_LEVEL_TABLE = table
+    return _BYTE_LEVEL_TABLE
+
+
+_BYTE_LEVEL_TABLE: dict[str, int] | None = None
 
 
 # ----- building tokenizers for checkpoints we create (tiny test models, the demo model) -----

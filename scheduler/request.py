@@ -76,6 +76,12 @@ class Request:
     cache_node: object | None = None
     tree_blocks: int = 0
     block_start_steps: int = 0  # stats.steps when the active block began (restored on preemption)
+    # Logprobs of the active block from its latest forward, and those of every final block (by block index),
+    # kept only when the request asked for them.
+    block_logprobs: tuple[list[float], list] | None = None
+    final_logprobs: dict[int, tuple[list[float], list]] = field(default_factory=dict)
+    block_start_m2t: int = 0  # stats.m2t and stats.edits then, restored likewise
+    block_start_edits: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -127,8 +133,11 @@ class Request:
         official loop is deterministic from a block's start, so the outcome is unchanged)."""
         self.status = Status.WAITING
         self.stats.steps = self.block_start_steps
+        self.stats.m2t = self.block_start_m2t
+        self.stats.edits = self.block_start_edits
         self.tokens = self.tokens[: max(self.final_blocks * self.block_size, self.prompt_len)]
         self.active_block = -1
+        self.block_logprobs = None
         self.cached_blocks = 0
         self.pages = []
         self.post = 0
@@ -140,6 +149,8 @@ class Request:
     def _begin_block(self, b: int) -> None:
         self.active_block = b
         self.block_start_steps = self.stats.steps
+        self.block_start_m2t = self.stats.m2t
+        self.block_start_edits = self.stats.edits
         self.post = 0
         end = (b + 1) * self.block_size
         self.tokens = self.tokens[: max(b * self.block_size, self.prompt_len)]
@@ -180,6 +191,9 @@ class Request:
         self.stats.blocks += 1
         self.stats.cutoffs += int(stale)
         self.final_blocks = self.active_block + 1
+        if self.block_logprobs is not None:
+            self.final_logprobs[self.active_block] = self.block_logprobs
+            self.block_logprobs = None
         generated = self.tokens[self.prompt_len : (self.active_block + 1) * self.block_size]
         stops = self._stop_ids()
         if self.active_block < self.last_block and not any(t in stops for t in generated):
@@ -205,6 +219,20 @@ class Request:
             if t in stops:
                 return out[: i + 1]
         return list(out)
+
+    def output_logprobs(self) -> tuple[list[float], list] | None:
+        """(logprob of each output token, top alternatives at each) aligned with output_ids(), or None."""
+        if not self.params.params.logprobs and not self.params.params.top_logprobs:
+            return None
+        lps: list[float] = []
+        tops: list = []
+        for b in range(self.first_block, self.final_blocks):
+            block_lp, block_top = self.final_logprobs.get(b, ([0.0] * self.block_size, [[]] * self.block_size))
+            lo = max(self.prompt_len - b * self.block_size, 0)
+            lps += block_lp[lo:]
+            tops += block_top[lo:]
+        n = len(self.output_ids())
+        return lps[:n], tops[:n]
 
     def finish(self, reason: FinishReason) -> None:
         self.status = Status.FINISHED

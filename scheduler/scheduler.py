@@ -67,6 +67,10 @@ class DecodeOutput:
     had_mask: list[bool] = field(default_factory=list)
     m2t: list[int] = field(default_factory=list)
     t2t: list[int] = field(default_factory=list)
+    # Per decoding item, None unless its request asked for logprobs: the log-probability of each position's
+    # token after the step, and the top alternatives [(token, logprob), ...] at each position.
+    logprobs: list[list[float] | None] = field(default_factory=list)
+    top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
 
 
 StopChecker = Callable[[Request], "FinishReason | None"]
@@ -142,6 +146,8 @@ class Scheduler:
             req = it.req
             if req.finished:  # aborted while the forward ran
                 continue
+            if out.logprobs and out.logprobs[i] is not None:
+                req.block_logprobs = (out.logprobs[i], out.top_logprobs[i])
             if req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i]):
                 self._end_block(req, stale=False)
         for it in items:

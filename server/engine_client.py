@@ -54,6 +54,7 @@ class EngineClient:
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
         self.alive = False
+        self.closing = False  # an exit we asked for is not a death
         self.proc: mp.process.BaseProcess | None = None
         self._pending: dict[str, _Pending] = {}
         self._waiters: dict[str, asyncio.Future] = {}
@@ -109,6 +110,7 @@ class EngineClient:
 
     async def close(self) -> None:
         """Ask the engine to stop, wait a little, then make sure it is gone."""
+        self.closing = True
         if self.proc is not None and self.proc.is_alive():
             try:
                 await self._send.send_pyobj(ShutdownReq())
@@ -166,6 +168,8 @@ class EngineClient:
         while True:
             await asyncio.sleep(0.1)
             if self.proc is not None and not self.proc.is_alive():
+                if self.closing:
+                    return
                 log.error("the engine process died (exit code %s): failing every request", self.proc.exitcode)
                 self.alive = False
                 for pending in self._pending.values():

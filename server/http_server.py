@@ -22,27 +22,14 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.engine.sampling_params import SamplingParams, SamplingParamsError
-from redraft.engine.tokenizer import Tokenizer
 from redraft.scheduler.messages import Accepted, RequestOutput
+from redraft.server.common import APIError, ServerState, engine_error, error_response, run_until_disconnect, sse
 from redraft.server.detokenizer import IncrementalDetokenizer
-from redraft.server.engine_client import EngineClient, EngineDead, EngineRejected
-from redraft.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from redraft.server.engine_client import EngineDead, EngineRejected
+from redraft.server.metrics import CONTENT_TYPE_LATEST
+from redraft.server.middleware import install_middleware
 
 log = logging.getLogger("redraft.http")
-
-
-class APIError(Exception):
-    """An error answered with the OpenAI error body."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | int | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
 class GenerateBody(BaseModel):
@@ -60,51 +47,9 @@ class AbortBody(BaseModel):
     rid: str
 
 
-class ServerState:
-    """What the routes share: the engine client, the tokenizer, metrics and limits."""
+def create_app(state: ServerState, openai_settings: "OpenAISettings | None" = None) -> FastAPI:
+    from redraft.server.openai_api import OpenAISettings, register_openai_routes
 
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str):
-        self.client = client
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.metrics = ServerMetrics(model_name)
-        client.on_finished.append(self.metrics.on_finished)
-
-    @property
-    def max_model_len(self) -> int:
-        return int(self.client.info.get("max_model_len", 0))
-
-
-def engine_error(exc: Exception) -> APIError:
-    if isinstance(exc, EngineRejected):
-        type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
-        return APIError(exc.status, exc.message, type_, code=exc.code)
-    return APIError(503, "the engine is not available", "server_error", code="engine_unavailable")
-
-
-async def run_until_disconnect(request: Request, coro) -> Any:
-    """Await `coro`, cancelling it (which aborts the engine request) if the client goes away."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.1)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                raise APIError(499, "client closed the request", code="client_closed")
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-def sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.client.connect()
@@ -115,6 +60,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="redraft", version="0.1.0", lifespan=lifespan)
     app.state.redraft = state
+    install_middleware(app, state)
+    register_openai_routes(app, state, openai_settings or OpenAISettings())
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):

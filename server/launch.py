@@ -7,6 +7,7 @@ does not stop in time). The engine process also exits by itself if this process 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -15,7 +16,9 @@ import uvicorn
 from redraft.engine.defaults import default_model_path
 from redraft.engine.tokenizer import Tokenizer
 from redraft.server.engine_client import EngineClient
-from redraft.server.http_server import ServerState, create_app
+from redraft.server.common import ServerState
+from redraft.server.http_server import create_app
+from redraft.server.openai_api import OpenAISettings
 
 log = logging.getLogger("redraft.serve")
 
@@ -29,6 +32,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-fraction-static", type=float, default=0.85, help="GPU memory share for weights + KV cache")
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="require `Authorization: Bearer KEY` (repeat for several keys; /health and /metrics stay open)")
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="chat max_tokens when a request names none (capped by the context)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
+
+
+def read_generation_config(model_path: Path) -> dict:
+    """The checkpoint's generation_config.json (request defaults below the request, above the flags)."""
+    path = model_path / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    known = ("temperature", "top_p", "top_k", "threshold", "edit_threshold", "editing_threshold", "max_post_steps",
+             "max_new_tokens")
+    return {k: raw[k] for k in known if raw.get(k) is not None}
 
 
 def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
@@ -54,7 +76,10 @@ def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
         info["num_params"] / 1e6, info["dtype"], info["device"], info["max_total_tokens"], info["max_model_len"],
     )
     name = args.served_model_name or model_path.name
-    app = create_app(ServerState(client, tokenizer, name))
+    state = ServerState(client, tokenizer, name, str(model_path), tuple(args.api_key), args.max_body_bytes)
+    settings = OpenAISettings(default_max_tokens=args.default_max_tokens,
+                              generation_defaults=read_generation_config(model_path))
+    app = create_app(state, settings)
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)

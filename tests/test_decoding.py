@@ -15,14 +15,25 @@ V = 10
 
 
 def logits_for(rows: list[list[tuple[int, float]]]) -> torch.Tensor:
-    """Logits [N, B, V] whose softmax puts probability `p` on token `v` at each position (rest uniform)."""
+    """Logits [N, B, V] whose softmax puts probability `p` on token `v` at each position, the rest uniform
+    over the other non-MASK tokens (the step never proposes MASK, so it must carry no mass here)."""
     out = torch.zeros(len(rows), len(rows[0]), V, dtype=torch.float64)
     for n, row in enumerate(rows):
         for b, (v, p) in enumerate(row):
-            rest = (1 - p) / (V - 1)
+            rest = (1 - p) / (V - 2)
             out[n, b] = math.log(rest)
             out[n, b, v] = math.log(p)
+            out[n, b, MASK] = float("-inf")
     return out
+
+
+def test_mask_is_never_proposed():
+    logits = logits_for([[(1, 0.4), (2, 0.4)]])
+    logits[0, 0, MASK] = 10.0  # the model prefers MASK at position 0
+    r = joint_threshold_step(logits, torch.tensor([[MASK, MASK]]), torch.ones(1, 2, dtype=torch.bool),
+                             torch.tensor([0.5], dtype=torch.float64), torch.tensor([0.0], dtype=torch.float64), MASK)
+    assert MASK not in r.proposal.tolist()[0]
+    assert r.tokens.tolist()[0].count(MASK) == 1  # one position filled (fallback), with a real token
 
 
 def step(rows, block, editable=None, threshold=0.5, edit_threshold=0.0):

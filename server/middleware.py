@@ -1,0 +1,91 @@
+"""Pure-ASGI middleware: request ids, API keys, body-size limit.
+
+Written as raw ASGI (not BaseHTTPMiddleware) so that streaming responses and client-disconnect detection
+pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import uuid
+
+from fastapi import FastAPI
+
+from redraft.server.common import ServerState
+
+OPEN_PATHS = {"/health", "/metrics"}  # liveness probes and Prometheus need no key
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+async def _send_error(send, status: int, message: str, type_: str, code: str | None, headers=()) -> None:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
+    """Constant time in the key's content, and every configured key is always compared."""
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(presented.encode(), key.encode())
+    return ok
+
+
+class RedraftMiddleware:
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = headers.get("x-request-id", "")
+        rid = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        echo = [(b"x-request-id", rid.encode())]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *echo]}
+            await send(message)
+
+        if self.state.api_keys and scope["path"] not in OPEN_PATHS:
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not key_matches(token, self.state.api_keys):
+                return await _send_error(send, 401, "Incorrect API key provided.", "invalid_request_error",
+                                         "invalid_api_key", echo)
+        limit = self.state.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _send_error(send, 413, f"the request body is larger than {limit} bytes",
+                                     "invalid_request_error", "body_too_large", echo)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send_with_id)
+        except BodyTooLarge:
+            await _send_error(send, 413, f"the request body is larger than {limit} bytes", "invalid_request_error",
+                              "body_too_large", echo)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def install_middleware(app: FastAPI, state: ServerState) -> None:
+    app.add_middleware(RedraftMiddleware, state=state)

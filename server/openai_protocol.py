@@ -1,0 +1,205 @@
+"""OpenAI request bodies (pydantic). Unknown fields are rejected by name; fields we accept only at their
+no-op value (penalties 0, empty logit_bias, ...) are rejected by name when set to anything else."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+MAX_STOP_STRINGS = 4
+MAX_STOP_LEN = 256
+MAX_TOP_LOGPROBS = 20
+
+
+class UnsupportedValue(ValueError):
+    """A field we know but cannot honour at the value given (reported with its name as the param)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionDef(Strict):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(Strict):
+    name: str
+
+
+class ToolChoiceNamed(Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]
+
+
+class _Common(Strict):
+    """Fields shared by chat and completions, including the diffusion ones sent through `extra_body`."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
+    metadata: dict[str, str] | None = None
+    ignore_eos: bool = False
+    # accepted only at their no-op values
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # diffusion (extra_body)
+    mode: Literal["S", "Q", "auto"] | None = None
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    edit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_post_steps: int | None = Field(default=None, ge=0, le=1024)
+    mbe_window: int | None = Field(default=None, ge=1)
+    domain: str | None = Field(default=None, max_length=64)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_LEN} characters")
+        return stops
+
+    def check_noop_fields(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise UnsupportedValue(name, f"{name} is not supported (only 0)")
+        if self.logit_bias:
+            raise UnsupportedValue("logit_bias", "logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedValue("stream_options", "stream_options is only allowed with stream=true")
+
+    @property
+    def request_domain(self) -> str | None:
+        return self.domain or (self.metadata or {}).get("domain")
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_noop_fields(self) -> None:
+        super().check_noop_fields()
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs=true")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise UnsupportedValue("tool_choice", "tool_choice needs tools")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, ToolChoiceNamed):
+            raise UnsupportedValue("tool_choice", "tool_choice 'required' or a named function is not supported; use 'auto'")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_bounds(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if len(v) > 256:
+                raise ValueError("at most 256 prompts in one request")
+        return v
+
+    def check_noop_fields(self) -> None:
+        super().check_noop_fields()
+        if self.echo:
+            raise UnsupportedValue("echo", "echo is not supported")
+        if self.suffix:
+            raise UnsupportedValue("suffix", "suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise UnsupportedValue("best_of", "best_of is not supported (only 1)")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
