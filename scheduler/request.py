@@ -16,7 +16,7 @@ a stale block, and the active block, block-causal, in one pass.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from redraft.engine.sampling_params import ResolvedParams
 
@@ -75,13 +75,13 @@ class Request:
     arrival: int = 0
     cache_node: object | None = None
     tree_blocks: int = 0
-    block_start_steps: int = 0  # stats.steps when the active block began (restored on preemption)
+    # The stats when the active block began: a preempted request restarts its block from there.
+    block_start_stats: DecodeStats = field(default_factory=DecodeStats)
+    admitted: bool = False  # admitted at least once (prefix_cached_tokens counts the first admission only)
     # Logprobs of the active block from its latest forward, and those of every final block (by block index),
     # kept only when the request asked for them.
     block_logprobs: tuple[list[float], list] | None = None
     final_logprobs: dict[int, tuple[list[float], list]] = field(default_factory=dict)
-    block_start_m2t: int = 0  # stats.m2t and stats.edits then, restored likewise
-    block_start_edits: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -132,9 +132,7 @@ class Request:
         """Back to waiting; final blocks are kept, the active block will start over from all-mask (the
         official loop is deterministic from a block's start, so the outcome is unchanged)."""
         self.status = Status.WAITING
-        self.stats.steps = self.block_start_steps
-        self.stats.m2t = self.block_start_m2t
-        self.stats.edits = self.block_start_edits
+        self.stats = replace(self.block_start_stats)
         self.tokens = self.tokens[: max(self.final_blocks * self.block_size, self.prompt_len)]
         self.active_block = -1
         self.block_logprobs = None
@@ -148,9 +146,7 @@ class Request:
 
     def _begin_block(self, b: int) -> None:
         self.active_block = b
-        self.block_start_steps = self.stats.steps
-        self.block_start_m2t = self.stats.m2t
-        self.block_start_edits = self.stats.edits
+        self.block_start_stats = replace(self.stats)
         self.post = 0
         end = (b + 1) * self.block_size
         self.tokens = self.tokens[: max(b * self.block_size, self.prompt_len)]

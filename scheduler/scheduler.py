@@ -230,7 +230,8 @@ class Scheduler:
         b = self.config.block_size
         while self.waiting and len(self.running) < self.config.max_running_requests and budget >= b:
             req = self._pick_waiting()
-            match = (self.cache.match_prefix(req.prefix_tokens()) if self.config.enable_prefix_cache else None)
+            prefix = req.prefix_tokens()
+            match = self.cache.match_prefix(prefix, record_stats=False) if self.config.enable_prefix_cache else None
             matched = len(match.pages) if match else 0
             need = req.final_blocks + 1 - matched  # uncached final blocks + the first open block
             if match is not None:
@@ -247,8 +248,11 @@ class Scheduler:
             req.cache_node = match.last_node if match else None
             req.tree_blocks = matched
             req.cached_blocks = matched
-            if req.stats.steps == 0 and req.final_blocks == req.first_block:
+            if not req.admitted:  # hit-rate and cached_tokens describe a request's first admission only
+                req.admitted = True
                 req.prefix_cached_tokens = matched * b
+                self.cache.queried_tokens += len(req.prompt_ids)
+                self.cache.hit_tokens += matched * b
             req.start()
             self.running.append(req)
             budget -= (req.active_block - matched) * b
