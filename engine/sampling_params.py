@@ -18,6 +18,7 @@ PRESETS: dict[str, tuple[float, float, int]] = {
 }
 AUTO_SPEED_DOMAINS = frozenset({"code", "math"})
 MODES = ("S", "Q", "auto")
+INT64_MAX = 2**63 - 1
 
 
 class SamplingParamsError(ValueError):
@@ -90,10 +91,11 @@ class SamplingParams:
             fail("temperature must be a number in [0, 100]", "temperature")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             fail("top_p must be in (0, 1]", "top_p")
-        if not is_int(self.top_k) or self.top_k < -1:
-            fail("top_k must be an integer >= -1 (-1 or 0 disables it)", "top_k")
-        if self.seed is not None and not is_int(self.seed):
-            fail("seed must be an integer", "seed")
+        # top_k and seed travel to the model runner as int64 tensors: a larger value would crash its step.
+        if not is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
+            fail("top_k must be an integer in [-1, 2^63) (-1 or 0 disables it)", "top_k")
+        if self.seed is not None and (not is_int(self.seed) or not -INT64_MAX - 1 <= self.seed <= INT64_MAX):
+            fail("seed must be an integer in [-2^63, 2^63)", "seed")
         if self.mode is not None and self.mode not in MODES:
             fail(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", "mode")
         for name in ("threshold", "edit_threshold"):
@@ -110,6 +112,8 @@ class SamplingParams:
             fail("stop must hold non-empty strings", "stop")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must hold non-negative integers", "stop_token_ids")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos must be a boolean", "ignore_eos")
         if not isinstance(self.logprobs, bool):
             fail("logprobs must be a boolean", "logprobs")
         if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from redraft.engine.tokenizer import Tokenizer
-from redraft.server.engine_client import EngineClient, EngineDead, EngineRejected
+from redraft.server.engine_client import EngineClient, EngineRejected
 from redraft.server.metrics import ServerMetrics
 
 
@@ -34,15 +34,16 @@ class ServerState:
     """What the routes share: the engine client, the tokenizer, metrics and limits."""
 
     def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str, model_path: str = "",
-                 api_keys: tuple[str, ...] = (), max_body_bytes: int = 8 * 2**20):
+                 api_keys: tuple[str, ...] = (), max_body_bytes: int = 8 * 2**20,
+                 domains: tuple[str, ...] | str | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_path = model_path
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
-        self.metrics = ServerMetrics(model_name)
-        client.on_finished.append(self.metrics.on_finished)
+        self.metrics = ServerMetrics(model_name, domains)  # domains: the `domain` label's values (else "other")
+        self.metrics.attach(client)
 
     @property
     def model_names(self) -> list[str]:

@@ -63,6 +63,8 @@ class EngineClient:
         self._to_engine_addr = f"ipc://{self._ipc_dir}/to-engine"
         self._from_engine_addr = f"ipc://{self._ipc_dir}/from-engine"
         self.on_finished: list = []  # callbacks(RequestOutput) for metrics
+        self.on_submit: list = []  # callbacks(rid, SamplingParams) as a request is sent (metrics: start, labels)
+        self.on_message: list = []  # callbacks(Accepted | RequestOutput | RejectReq) (metrics: per block timing)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +108,7 @@ class EngineClient:
         self._recv.bind(self._from_engine_addr)
         self._send = self._ctx.socket(zmq.PUSH)
         self._send.bind(self._to_engine_addr)
+        self._dead = asyncio.Event()  # set by the watchdog: sends stop waiting for a peer that is gone
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watchdog())]
 
     async def close(self) -> None:
@@ -154,6 +157,8 @@ class EngineClient:
             pending = self._pending.get(msg.rid)
             if pending is not None:
                 pending.queue.put_nowait(msg)
+            for callback in self.on_message:
+                callback(msg)
             if isinstance(msg, RequestOutput) and msg.finished:
                 for callback in self.on_finished:
                     callback(msg)
@@ -172,6 +177,7 @@ class EngineClient:
                     return
                 log.error("the engine process died (exit code %s): failing every request", self.proc.exitcode)
                 self.alive = False
+                self._dead.set()
                 for pending in self._pending.values():
                     pending.queue.put_nowait(EngineDead("the engine process died"))
                 for waiter in self._waiters.values():
@@ -190,8 +196,10 @@ class EngineClient:
         if rid in self._pending:
             raise EngineRejected(400, f"request id {rid!r} is already in flight", "duplicate_request_id")
         pending = self._pending[rid] = _Pending()
+        for callback in self.on_submit:
+            callback(rid, params)
         try:
-            await self._send.send_pyobj(GenerateReq(rid, list(input_ids), params, time.time()))
+            await self._send_msg(GenerateReq(rid, list(input_ids), params, time.time()))
             while True:
                 msg = await pending.queue.get()
                 if isinstance(msg, Exception):
@@ -210,18 +218,38 @@ class EngineClient:
 
     async def abort(self, rid: str) -> None:
         if self.alive:
-            await self._send.send_pyobj(AbortReq(rid))
+            await self._send_msg(AbortReq(rid))
 
     async def _request(self, msg: Any, timeout: float) -> Any:
         if not self.alive:
             raise EngineDead("the engine is not running")
         future = asyncio.get_running_loop().create_future()
         self._waiters[msg.token] = future
-        await self._send.send_pyobj(msg)
         try:
+            await self._send_msg(msg)
             return await asyncio.wait_for(future, timeout)
         finally:
             self._waiters.pop(msg.token, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # the watchdog may have failed it while the send failed: retrieved
+
+    async def _send_msg(self, msg: Any) -> None:
+        """Send to the engine, or raise EngineDead once it is known dead. A PUSH socket whose peer is gone
+        blocks a send forever (and every later send queues behind it), so a request that arrives between
+        the engine's death and the watchdog's next look must not wait on the send alone."""
+        send = asyncio.ensure_future(self._send.send_pyobj(msg))
+        if send.done():
+            return send.result()
+        dead = asyncio.ensure_future(self._dead.wait())
+        try:
+            await asyncio.wait({send, dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+            if not send.done():
+                send.cancel()
+        if not send.cancelled() and send.done():
+            return send.result()
+        raise EngineDead("the engine process died")
 
     async def ping(self, timeout: float = 5.0) -> dict[str, Any]:
         pong = await self._request(PingReq(uuid.uuid4().hex), timeout)

@@ -1,24 +1,24 @@
 """The HTTP process: FastAPI app with SGLang's native routes, talking to the engine process over ZMQ.
 
 Routes: POST /generate (JSON or SSE, one chunk per committed block), POST /abort_request,
-POST /flush_cache, GET /health, GET /get_server_info, GET /metrics. The event loop never waits on the
-model: requests go to the engine process and their progress comes back through EngineClient.
+POST /flush_cache, GET /health (pings the engine), GET /live (does not), GET /get_server_info, GET /metrics.
+The event loop never waits on the model: requests go to the engine process and their progress comes back
+through EngineClient.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from contextlib import asynccontextmanager, aclosing
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -28,6 +28,10 @@ from redraft.server.detokenizer import IncrementalDetokenizer
 from redraft.server.engine_client import EngineDead, EngineRejected
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.middleware import install_middleware
+from redraft.server.openai_protocol import reject_lone_surrogates
+
+if TYPE_CHECKING:
+    from redraft.server.openai_api import OpenAISettings
 
 log = logging.getLogger("redraft.http")
 
@@ -41,13 +45,23 @@ class GenerateBody(BaseModel):
     stream: bool = False
     rid: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:  # lone surrogates would fail the tokenizer or the reply: a 500
+        return reject_lone_surrogates(data)
+
 
 class AbortBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rid: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:  # lone surrogates would fail the tokenizer or the reply: a 500
+        return reject_lone_surrogates(data)
 
-def create_app(state: ServerState, openai_settings: "OpenAISettings | None" = None) -> FastAPI:
+
+def create_app(state: ServerState, openai_settings: OpenAISettings | None = None) -> FastAPI:
     from redraft.server.openai_api import OpenAISettings, register_openai_routes
 
     @asynccontextmanager
@@ -59,6 +73,7 @@ def create_app(state: ServerState, openai_settings: "OpenAISettings | None" = No
         await state.client.close()
 
     app = FastAPI(title="redraft", version="0.1.0", lifespan=lifespan)
+    app.openapi = lambda: _openapi_with_400(app)
     app.state.redraft = state
     install_middleware(app, state)
     register_openai_routes(app, state, openai_settings or OpenAISettings())
@@ -75,13 +90,14 @@ def create_app(state: ServerState, openai_settings: "OpenAISettings | None" = No
         msg = err.get("msg", "invalid request")
         if err.get("type") == "extra_forbidden":
             msg = f"unsupported field: {param}"
-        elif err.get("type") == "json_invalid":
-            msg = "the body is not valid JSON"
+        elif err.get("type") == "json_invalid":  # its loc holds a character position, not a field
+            msg, param = "the body is not valid JSON", None
         return error_response(400, f"{msg}" + (f" ({param})" if param and "unsupported" not in msg else ""), param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, str(exc.detail), type_, code=getattr(exc, "code", None))
 
     @app.get("/health")
     async def health():
@@ -89,6 +105,11 @@ def create_app(state: ServerState, openai_settings: "OpenAISettings | None" = No
             await state.client.ping(timeout=5.0)
         except (EngineDead, asyncio.TimeoutError):
             return error_response(503, "the engine is not responding", "server_error", code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/live")
+    async def live():
+        """Liveness: the HTTP process answers (no engine round trip; /health checks the engine)."""
         return Response(status_code=200)
 
     @app.get("/get_server_info")
@@ -100,8 +121,10 @@ def create_app(state: ServerState, openai_settings: "OpenAISettings | None" = No
 
     @app.get("/metrics")
     async def metrics():
-        with contextlib.suppress(EngineDead, asyncio.TimeoutError):
-            state.metrics.set_engine_stats(await state.client.ping(timeout=2.0))
+        try:
+            state.metrics.set_engine_stats(await state.client.ping(timeout=2.0), state.client.info)
+        except (EngineDead, asyncio.TimeoutError):
+            state.metrics.set_engine_down()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache")
@@ -142,6 +165,21 @@ def create_app(state: ServerState, openai_settings: "OpenAISettings | None" = No
         return results[0] if len(prompts) == 1 and not isinstance(body.text, list) and not _is_batch_ids(body.input_ids) else results
 
     return app
+
+
+def _openapi_with_400(app: FastAPI) -> dict:
+    """FastAPI documents validation errors as 422; this server answers them with 400 (OpenAI's choice)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                responses = op.get("responses", {})
+                if "422" in responses:
+                    responses["400"] = {**responses.pop("422"), "description": "Invalid request"}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _is_batch_ids(ids: Any) -> bool:

@@ -18,6 +18,7 @@ from redraft.engine.tokenizer import Tokenizer
 from redraft.server.engine_client import EngineClient
 from redraft.server.common import ServerState
 from redraft.server.http_server import create_app
+from redraft.server.metrics import DEFAULT_DOMAINS, parse_domains
 from redraft.server.openai_api import OpenAISettings
 
 log = logging.getLogger("redraft.serve")
@@ -37,6 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=1024,
                    help="chat max_tokens when a request names none (capped by the context)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
+    p.add_argument("--domains", default=",".join(DEFAULT_DOMAINS),
+                   help="the values of the metrics' `domain` label (a request's domain outside them counts as "
+                        "`other`), comma-separated (default: %(default)s)")
 
 
 def read_generation_config(model_path: Path) -> dict:
@@ -54,6 +58,7 @@ def read_generation_config(model_path: Path) -> dict:
 
 
 def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    domains = parse_domains(args.domains)  # before the engine starts: a bad flag fails at once
     model_path = Path(args.model) if args.model else default_model_path()
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint (config.json) in {model_path}")
@@ -76,7 +81,8 @@ def serve(args: argparse.Namespace, engine_kwargs: dict) -> int:
         info["num_params"] / 1e6, info["dtype"], info["device"], info["max_total_tokens"], info["max_model_len"],
     )
     name = args.served_model_name or model_path.name
-    state = ServerState(client, tokenizer, name, str(model_path), tuple(args.api_key), args.max_body_bytes)
+    state = ServerState(client, tokenizer, name, str(model_path), tuple(args.api_key), args.max_body_bytes,
+                        domains=domains)
     settings = OpenAISettings(default_max_tokens=args.default_max_tokens,
                               generation_defaults=read_generation_config(model_path))
     app = create_app(state, settings)

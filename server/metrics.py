@@ -1,59 +1,300 @@
-"""Prometheus metrics, named as SGLang names them so its dashboards work unchanged.
+"""Prometheus metrics on /metrics, named as SGLang names them (so its dashboards work unchanged), plus
+redraft's own for diffusion decoding.
 
-Gauges mirror the engine's scheduler (refreshed from the engine on every scrape); counters are advanced
-by the HTTP process when a request finishes.
+Engine-wide gauges (label `model_name`) mirror the scheduler and are refreshed from the engine on every
+scrape. Per-request metrics carry `model_name`, `mode` (the resolved preset, S or Q) and `domain` (the
+request's `domain`, kept only if it is one of the configured domains, else "other", so that a client cannot
+grow the label set). They are recorded in the HTTP process from the engine's messages:
+
+    submitted      -> start of the request's clock (TTFT and end-to-end latency are measured from here)
+    first block    -> sglang:time_to_first_token_seconds (a diffusion model streams whole committed blocks)
+    each block     -> redraft:tokens_committed_total, redraft:inter_block_latency_seconds,
+                      sglang:inter_token_latency_seconds (the block's gap spread over its tokens, as SGLang
+                      does for a chunk of several tokens), redraft:block_steps (forwards the block took)
+    finished       -> token/request counters, forwards, edits, blocks, tokens per forward, end-to-end latency,
+                      queue time (the engine reports when it admitted the request)
+
+Several HTTP workers: set PROMETHEUS_MULTIPROC_DIR to an empty directory before the server starts (every
+worker then writes its values there and any worker's /metrics merges them), and call
+`mark_process_dead(pid)` when a worker exits; see docs/observability.md. The collector code below works
+either way: gauges declare how workers' values merge, and `render` switches to the multiprocess collector
+when the variable is set.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from redraft.scheduler.messages import RequestOutput
+from redraft.scheduler.messages import Accepted, RejectReq, RequestOutput
 
-__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST", "DEFAULT_DOMAINS", "OTHER_DOMAIN", "parse_domains"]
+
+log = logging.getLogger("redraft.metrics")
+
+# No `*_created` series (SGLang exposes none either; they double every counter's series for little use).
+disable_created_metrics()
+
+DEFAULT_DOMAINS: tuple[str, ...] = ("code", "math", "chat")
+OTHER_DOMAIN = "other"
+MODES: tuple[str, ...] = ("S", "Q")
+MAX_TRACKED = 100_000  # requests in flight we keep timing state for (a dead engine must not leak memory)
+
+# Buckets: a block of 32 tokens takes one to a few dozen forwards; CPU demo models are slow, GPUs fast.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BLOCK_GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BLOCK_STEPS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+TPF_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
+
+
+def parse_domains(spec: str | Iterable[str] | None) -> tuple[str, ...]:
+    """`code,math,chat` -> ("code", "math", "chat"): lower-cased, stripped, de-duplicated, in order."""
+    if spec is None:
+        return DEFAULT_DOMAINS
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[str] = []
+    for item in items:
+        d = str(item).strip().lower()
+        if not d:
+            continue
+        if d == OTHER_DOMAIN:
+            raise ValueError(f"{OTHER_DOMAIN!r} is what unlisted domains are counted as; it cannot be listed")
+        if not all(c.isalnum() or c in "-_." for c in d) or len(d) > 64:
+            raise ValueError(f"domain {d!r}: use letters, digits, '-', '_' or '.', at most 64 characters")
+        if d not in out:
+            out.append(d)
+    return tuple(out)
+
+
+@dataclass
+class _Track:
+    """Timing state of one request in flight."""
+
+    labels: tuple[str, str, str]  # model_name, mode, domain
+    start: float  # monotonic, when it was sent to the engine
+    last: float | None = None  # monotonic, when its latest block arrived
+    tokens: int = 0  # output tokens seen so far
+    steps: int = 0  # forwards reported so far
+    blocks: int = 0  # blocks reported so far
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, domains: Iterable[str] | str | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        self.domains = parse_domains(domains)
+        self._domain_set = frozenset(self.domains)
+        self.default_mode = "Q"  # the engine's, read from the client once attached
+        self._client: Any = None
+        self._inflight: dict[str, _Track] = {}
+        self._callback_errors = 0
+        reg = self.registry
+        engine = ["model_name"]
+        req = ["model_name", "mode", "domain"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry)
+            # One engine behind every worker: the most recent value of a live worker is the truth.
+            return Gauge(name, doc, engine, registry=reg, multiprocess_mode="livemostrecent")
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=self.registry)
+        def counter(name: str, doc: str, labels: list[str] = req) -> Counter:
+            return Counter(name, doc, labels, registry=reg)
 
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, req, registry=reg, buckets=buckets)
+
+        # ---- engine gauges (SGLang's names) ----
         self.num_running_reqs = gauge("sglang:num_running_reqs", "Requests being decoded.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "Requests waiting for admission.")
         self.num_used_tokens = gauge("sglang:num_used_tokens", "KV cache tokens in use (requests and prefix cache).")
         self.token_usage = gauge("sglang:token_usage", "Fraction of the KV cache in use.")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Prefix cache hit rate (matched / looked-up prompt tokens).")
+        self.max_total_num_tokens = gauge("sglang:max_total_num_tokens", "KV cache capacity in tokens.")
+        # ---- engine gauges (redraft's) ----
+        self.engine_up = gauge("redraft:engine_up", "1 when the engine process answered the last scrape's ping, else 0.")
+        self.cached_tokens = gauge("redraft:cached_tokens", "Tokens held by the prefix cache (whole blocks).")
+        self.num_preemptions = gauge("redraft:num_preemptions", "Requests preempted since the engine started (monotonic).")
+        self.max_running_requests = gauge("redraft:max_running_requests", "The engine's limit on running requests.")
+        self.max_queued_requests = gauge("redraft:max_queued_requests",
+                                         "The engine's limit on waiting requests (0: unlimited).")
+
+        # ---- per-request counters (SGLang's names) ----
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens of finished requests.")
-        self.num_requests = counter("sglang:num_requests", "Finished requests.")
-        self.forwards = counter("redraft:forwards", "Denoising forwards spent on finished requests.")
-        self.edits = counter("redraft:edits", "Token-to-token edits in finished requests.")
+        self.cached_prompt_tokens = counter("sglang:cached_tokens", "Prompt tokens of finished requests read from the prefix cache.")
+        self.num_requests = counter("sglang:num_requests", "Finished requests (aborted ones included).")
+        self.num_aborted = counter("sglang:num_aborted_requests", "Requests that ended by abort or client disconnect.")
+        # ---- per-request counters (redraft's) ----
+        self.forwards = counter("redraft:forwards", "Denoising forwards of finished requests (a batched forward counts once per request in it).")
+        self.tokens_committed = counter("redraft:tokens_committed", "Output tokens of committed blocks, counted as each block is committed.")
+        self.blocks_committed = counter("redraft:blocks_committed", "Blocks committed (final), counted when the request finishes.")
+        self.edits = counter("redraft:edits", "Token-to-token edits (T2T) of finished requests.")
+        self.mbe_reopens = counter("redraft:mbe_reopens", "Blocks re-opened by multi-block editing (0 until MBE exists).")
+        self.rejected = counter("redraft:rejected_requests", "Requests the engine refused at admission, by code.",
+                                ["model_name", "code"])
 
-    def set_engine_stats(self, stats: dict[str, Any]) -> None:
+        # ---- histograms ----
+        self.ttft = histogram("sglang:time_to_first_token_seconds",
+                              "Time to the first committed block, from the request's submission.", TTFT_BUCKETS)
+        self.itl = histogram("sglang:inter_token_latency_seconds",
+                             "Time between committed blocks divided by the block's tokens (per token).", ITL_BUCKETS)
+        self.inter_block = histogram("redraft:inter_block_latency_seconds",
+                                     "Time between two committed blocks of a request.", BLOCK_GAP_BUCKETS)
+        self.e2e = histogram("sglang:e2e_request_latency_seconds",
+                             "End-to-end latency of a request, from submission to its last block.", E2E_BUCKETS)
+        self.queue_time = histogram("sglang:queue_time_seconds",
+                                    "Time a request waited in the engine's queue before admission.", QUEUE_BUCKETS)
+        self.block_steps = histogram("redraft:block_steps", "Denoising forwards a committed block took.",
+                                     BLOCK_STEPS_BUCKETS)
+        self.tokens_per_forward = histogram("redraft:tokens_per_forward",
+                                            "Output tokens per forward of a finished request.", TPF_BUCKETS)
+
+        # Zero series for every (mode, domain), so rates and panels show the configured domains from the start.
+        for mode in MODES:
+            for domain in (*self.domains, OTHER_DOMAIN):
+                for c in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens, self.num_requests,
+                          self.num_aborted, self.forwards, self.tokens_committed, self.blocks_committed, self.edits,
+                          self.mbe_reopens):
+                    c.labels(model_name, mode, domain)
+
+    # ---- wiring --------------------------------------------------------------------------------------
+    def attach(self, client: Any) -> None:
+        """Follow an EngineClient: its submissions and every message the engine sends back."""
+        self._client = client
+        client.on_submit.append(self.on_submit)
+        client.on_message.append(self.on_message)
+
+    def domain_label(self, domain: str | None) -> str:
+        d = (domain or "").strip().lower()
+        return d if d in self._domain_set else OTHER_DOMAIN
+
+    def _labels(self, params: Any) -> tuple[str, str, str]:
+        info = self._client.info if self._client is not None else {}
+        mode = params.effective_mode(info.get("default_mode") or self.default_mode)
+        return self.model_name, mode if mode in MODES else "Q", self.domain_label(params.domain)
+
+    # ---- events --------------------------------------------------------------------------------------
+    def on_submit(self, rid: str, params: Any) -> None:
+        try:
+            if len(self._inflight) >= MAX_TRACKED:  # requests that never finished (a dead engine): oldest first
+                for stale in list(self._inflight)[: MAX_TRACKED // 10]:
+                    del self._inflight[stale]
+            self._inflight[rid] = _Track(self._labels(params), time.monotonic())
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            self._callback_failed()
+
+    def on_message(self, msg: Any) -> None:
+        try:
+            if isinstance(msg, RequestOutput):
+                self._on_output(msg)
+            elif isinstance(msg, RejectReq):
+                self._inflight.pop(msg.rid, None)
+                self.rejected.labels(self.model_name, msg.code or "unknown").inc()
+            elif isinstance(msg, Accepted):
+                pass
+        except Exception:  # noqa: BLE001
+            self._callback_failed()
+
+    def _callback_failed(self) -> None:
+        self._callback_errors += 1
+        if self._callback_errors <= 3:
+            log.exception("recording a metric failed (serving goes on)")
+
+    def _on_output(self, out: RequestOutput) -> None:
+        track = self._inflight.get(out.rid)
+        if track is None:  # not submitted through this process (or forgotten): nothing to time against
+            return
+        now = time.monotonic()
+        labels = track.labels
+        tokens = len(out.output_ids)
+        new_tokens = max(tokens - track.tokens, 0)
+        steps = int(out.meta.get("steps", track.steps))
+        blocks = int(out.meta.get("blocks", track.blocks))
+        new_blocks = max(blocks - track.blocks, 0)
+        committed = new_blocks > 0 or new_tokens > 0
+        if committed:
+            if track.last is None:
+                self.ttft.labels(*labels).observe(now - track.start)
+            else:
+                gap = now - track.last
+                self.inter_block.labels(*labels).observe(gap)
+                if new_tokens:
+                    per_token = gap / new_tokens
+                    itl = self.itl.labels(*labels)
+                    for _ in range(new_tokens):
+                        itl.observe(per_token)
+            track.last = now
+            if new_tokens:
+                self.tokens_committed.labels(*labels).inc(new_tokens)
+            if new_blocks:  # forwards since the previous commit, shared by the blocks committed since
+                per_block = max(steps - track.steps, 0) / new_blocks
+                hist = self.block_steps.labels(*labels)
+                for _ in range(new_blocks):
+                    hist.observe(per_block)
+        track.tokens, track.steps, track.blocks = max(tokens, track.tokens), steps, blocks
+        if out.finished:
+            self._inflight.pop(out.rid, None)
+            self._on_finished(out, track, now)
+
+    def _on_finished(self, out: RequestOutput, track: _Track, now: float) -> None:
+        labels, meta = track.labels, out.meta
+        completion = int(meta.get("completion_tokens", len(out.output_ids)))
+        steps = int(meta.get("steps", 0))
+        self.prompt_tokens.labels(*labels).inc(int(meta.get("prompt_tokens", 0)))
+        self.generation_tokens.labels(*labels).inc(completion)
+        self.cached_prompt_tokens.labels(*labels).inc(int(meta.get("cached_tokens", 0)))
+        self.forwards.labels(*labels).inc(steps)
+        self.edits.labels(*labels).inc(int(meta.get("edits", 0)))
+        self.blocks_committed.labels(*labels).inc(int(meta.get("blocks", 0)))
+        self.mbe_reopens.labels(*labels).inc(int(meta.get("mbe_reopens", 0)))
+        self.num_requests.labels(*labels).inc()
+        aborted = (out.finish_reason or {}).get("type") == "abort"
+        if aborted:
+            self.num_aborted.labels(*labels).inc()
+        if steps and completion:
+            self.tokens_per_forward.labels(*labels).observe(completion / steps)
+        if not aborted:
+            self.e2e.labels(*labels).observe(now - track.start)
+        queue_time = meta.get("queue_time")
+        if queue_time is not None:
+            self.queue_time.labels(*labels).observe(max(float(queue_time), 0.0))
+
+    # ---- engine gauges -------------------------------------------------------------------------------
+    def set_engine_stats(self, stats: dict[str, Any], info: dict[str, Any] | None = None) -> None:
         m = self.model_name
+        self.engine_up.labels(m).set(1)
         self.num_running_reqs.labels(m).set(stats.get("num_running_reqs", 0))
         self.num_queue_reqs.labels(m).set(stats.get("num_queue_reqs", 0))
         self.num_used_tokens.labels(m).set(stats.get("num_used_tokens", 0))
         self.token_usage.labels(m).set(stats.get("token_usage", 0.0))
         self.cache_hit_rate.labels(m).set(stats.get("cache_hit_rate", 0.0))
+        self.cached_tokens.labels(m).set(stats.get("cached_tokens", 0))
+        self.num_preemptions.labels(m).set(stats.get("num_preemptions", 0))
+        info = info or {}
+        total = stats.get("max_total_tokens", info.get("max_total_tokens"))
+        if total is not None:
+            self.max_total_num_tokens.labels(m).set(total)
+        if info.get("max_running_requests") is not None:
+            self.max_running_requests.labels(m).set(info["max_running_requests"])
+        self.max_queued_requests.labels(m).set(info.get("max_queued_requests") or 0)
 
-    def on_finished(self, out: RequestOutput) -> None:
-        m = self.model_name
-        self.prompt_tokens.labels(m).inc(out.meta.get("prompt_tokens", 0))
-        self.generation_tokens.labels(m).inc(out.meta.get("completion_tokens", 0))
-        self.forwards.labels(m).inc(out.meta.get("steps", 0))
-        self.edits.labels(m).inc(out.meta.get("edits", 0))
-        self.num_requests.labels(m).inc()
+    def set_engine_down(self) -> None:
+        self.engine_up.labels(self.model_name).set(0)
 
+    # ---- exposition ----------------------------------------------------------------------------------
     def render(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)

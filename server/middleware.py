@@ -12,6 +12,7 @@ import re
 import uuid
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.server.common import ServerState
 
@@ -73,18 +74,24 @@ class RedraftMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge()
+                    raise BodyTooLarge(limit)
             return message
 
         try:
             await self.app(scope, limited_receive, send_with_id)
-        except BodyTooLarge:
-            await _send_error(send, 413, f"the request body is larger than {limit} bytes", "invalid_request_error",
-                              "body_too_large", echo)
+        except BodyTooLarge as exc:
+            await _send_error(send, 413, exc.detail, "invalid_request_error", exc.code, echo)
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(StarletteHTTPException):
+    """A chunked body that outgrows the limit while it is read. An HTTPException, because FastAPI's body
+    parsing re-raises those and turns any other exception into a 400; the app's HTTPException handler then
+    answers 413 (the except clause above covers reads outside FastAPI's body parsing)."""
+
+    code = "body_too_large"
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than {limit} bytes")
 
 
 def install_middleware(app: FastAPI, state: ServerState) -> None:

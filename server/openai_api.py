@@ -12,12 +12,11 @@ import json
 import re
 import time
 import uuid
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from redraft.engine.sampling_params import SamplingParams, SamplingParamsError
 from redraft.engine.tokenizer import ChatTemplateError
@@ -29,6 +28,7 @@ from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequ
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+RESERVED_TEMPLATE_KWARGS = frozenset({"self", "template", "messages", "tools", "add_generation_prompt"})
 
 
 @dataclass
@@ -61,7 +61,8 @@ def sampling_params(state: ServerState, settings: OpenAISettings, req: ChatCompl
         "temperature": req.temperature if req.temperature is not None else float(gen.get("temperature", 0.0)),
         "top_p": req.top_p if req.top_p is not None else float(gen.get("top_p", 1.0)),
         "top_k": req.top_k if req.top_k is not None else int(gen.get("top_k", -1) or -1),
-        "seed": None if req.seed is None else req.seed + choice,  # n sampled choices must differ
+        # n sampled choices must differ; wrapped so that seed 2^63 - 1 plus a choice index stays an int64
+        "seed": None if req.seed is None else (req.seed + choice + 2**63) % 2**64 - 2**63,
         "stop": tuple(req.stop or ()),
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
@@ -226,7 +227,10 @@ def completion_logprobs(state: ServerState, meta: dict, start: int, end: int, te
         text = _token_entry(state, tok, lp)["token"]
         tokens.append(text)
         lps.append(lp)
-        top.append({_token_entry(state, t, v)["token"]: v for v, t in alts})
+        alt: dict[str, float] = {}
+        for v, t in alts:  # best first: when two tokens decode to the same text (e.g. "\ufffd"), keep the better
+            alt.setdefault(_token_entry(state, t, v)["token"], v)
+        top.append(alt)
         offsets.append(pos)
         pos += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
@@ -257,9 +261,13 @@ def register_openai_routes(app: FastAPI, state: ServerState, settings: OpenAISet
         rid = request.state.request_id
         messages = [_template_message(m) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" else None
+        template_kwargs = body.chat_template_kwargs or {}
+        reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:  # would collide with apply_chat_template's own arguments (a TypeError, i.e. a 500)
+            raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
         try:
             prompt = state.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                         **(body.chat_template_kwargs or {}))
+                                                         **template_kwargs)
         except ChatTemplateError as exc:
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
         ids = state.tokenizer.encode(prompt)

@@ -3,11 +3,13 @@ no-op value (penalties 0, empty logit_bias, ...) are rejected by name when set t
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
+MAX_CHOICES = 256  # prompts x n of one completions request: each choice is an engine request
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 256
 MAX_TOP_LOGPROBS = 20
@@ -19,6 +21,33 @@ class UnsupportedValue(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """True if any string in a parsed JSON value holds a UTF-16 surrogate. JSON's `\\ud800` escapes decode to
+    such code points when unpaired (a valid pair becomes one character); they cannot be encoded as UTF-8, so
+    the tokenizer and the response encoder would fail on them (a 500) rather than reject them."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def reject_lone_surrogates(data: Any) -> Any:
+    if has_lone_surrogate(data):
+        raise ValueError("a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not valid Unicode")
+    return data
 
 
 class Strict(BaseModel):
@@ -51,7 +80,7 @@ class ChatMessage(Strict):
     @model_validator(mode="after")
     def _content_needed(self) -> "ChatMessage":
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
+            raise ValueError(f"the {self.role} message needs content")
         return self
 
     def text(self) -> str:
@@ -119,6 +148,11 @@ class _Common(Strict):
     max_post_steps: int | None = Field(default=None, ge=0, le=1024)
     mbe_window: int | None = Field(default=None, ge=1)
     domain: str | None = Field(default=None, max_length=64)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return reject_lone_surrogates(data)
 
     @field_validator("stop")
     @classmethod
@@ -199,6 +233,9 @@ class CompletionRequest(_Common):
             raise UnsupportedValue("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
             raise UnsupportedValue("best_of", "best_of is not supported (only 1)")
+        prompts = len(self.prompt) if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int) else 1
+        if prompts * self.n > MAX_CHOICES:
+            raise UnsupportedValue("n", f"{prompts} prompts x n={self.n} exceeds {MAX_CHOICES} completions per request")
 
     @property
     def requested_max_tokens(self) -> int | None:

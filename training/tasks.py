@@ -1,0 +1,283 @@
+"""The demo task suite (issue 5): five families of one-turn problems with exact answers.
+
+Every example is one user turn and one assistant turn in the LLaDA2 chat format; the assistant's answer is
+exactly `Example.answer` (for chat, any of `Example.answers` is right).
+
+- math:    `What is A + B?` / `What is A - B?`, A, B in 0..99          -> `42`, `-7`
+- reverse: `Reverse the word: W`, W of 3..6 random lowercase letters    -> W reversed
+- sort:    `Sort these numbers: 7 93 15`, 3..6 integers in 0..99      -> `7 15 93`
+- code:    `Write a Python function named F that returns the OP of a and b.`
+           -> `def F(a, b):\n    return E`
+- chat:    `Tell me about the X.` -> one of three sentences about X
+
+Train and eval are disjoint by construction: a problem's canonical key (the problem up to trivial rewrites:
+`A + B` and `B + A` share one key, so do the permutations of a list to sort, and the three answers of a chat
+prompt) is hashed, and the hash alone decides its split. A generator for one split rejects the other's
+problems, so no eval problem ever appears in training, whatever the seed.
+
+A curriculum `level` in [0, 1] shrinks the problems (small operands, short words and lists, one-word
+function names); level 1 is exactly the distribution above.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+FAMILIES: tuple[str, ...] = ("math", "reverse", "sort", "code", "chat")
+SPLITS: tuple[str, ...] = ("train", "eval")
+
+# Fraction of each family's problems that belong to eval. Chat has only as many problems as animals, so it
+# keeps a larger share back (a held-out animal is a name the model must copy without having seen it asked).
+EVAL_FRACTION: dict[str, float] = {"math": 0.1, "reverse": 0.1, "sort": 0.1, "code": 0.1, "chat": 0.2}
+_SPLIT_SALT = "redraft-demo-tasks-v1"
+
+# 120 words for function names (lowercase, no underscore: names join one or two of them with "_").
+CODE_WORDS: tuple[str, ...] = (
+    "add", "apply", "area", "average", "balance", "base", "best", "bonus", "budget", "build",
+    "calc", "cart", "check", "chunk", "clamp", "clean", "combine", "compare", "compute", "count",
+    "cost", "credit", "data", "delta", "depth", "diff", "distance", "edge", "energy", "error",
+    "eval", "extra", "factor", "fee", "final", "find", "first", "force", "gain", "get",
+    "grade", "height", "item", "join", "key", "last", "level", "limit", "line", "load",
+    "loss", "make", "mass", "match", "merge", "metric", "mix", "mode", "net", "node",
+    "offset", "order", "pair", "part", "peak", "pick", "point", "power", "price", "profit",
+    "range", "rank", "rate", "ratio", "raw", "result", "round", "row", "rule", "scale",
+    "score", "shift", "size", "slot", "speed", "split", "start", "step", "stock", "sum",
+    "swap", "tax", "temp", "test", "tick", "time", "token", "total", "track", "trade",
+    "unit", "update", "usage", "value", "volume", "wage", "weight", "width", "yield", "zone",
+    "alpha", "beta", "gamma", "left", "right", "high", "low", "min", "max", "mid",
+)
+
+CODE_OPS: dict[str, str] = {
+    "sum": "a + b",
+    "difference": "a - b",
+    "product": "a * b",
+    "maximum": "max(a, b)",
+    "minimum": "min(a, b)",
+}
+
+# 100 animals, one lowercase word each.
+ANIMALS: tuple[str, ...] = (
+    "ant", "ape", "badger", "bat", "bear", "beaver", "bee", "beetle", "bison", "boar",
+    "buffalo", "camel", "cat", "cheetah", "chicken", "cobra", "cow", "crab", "crane", "crow",
+    "deer", "dingo", "dog", "dolphin", "donkey", "dove", "duck", "eagle", "eel", "elephant",
+    "elk", "emu", "falcon", "ferret", "finch", "fox", "frog", "gazelle", "gecko", "giraffe",
+    "goat", "goose", "gorilla", "hamster", "hare", "hawk", "hedgehog", "heron", "hippo", "horse",
+    "hyena", "ibis", "iguana", "jackal", "jaguar", "kangaroo", "koala", "lemur", "leopard", "lion",
+    "lizard", "llama", "lobster", "lynx", "macaw", "mole", "monkey", "moose", "mouse", "mule",
+    "newt", "octopus", "otter", "owl", "ox", "panda", "panther", "parrot", "pelican", "penguin",
+    "pig", "pigeon", "puma", "rabbit", "raccoon", "rat", "raven", "rhino", "salmon", "seal",
+    "shark", "sheep", "skunk", "sloth", "snail", "snake", "spider", "squid", "swan", "tiger",
+    "toad", "trout", "turkey", "turtle", "viper", "walrus", "wasp", "weasel", "whale", "wolf",
+    "wombat", "yak", "zebra",
+)
+
+CHAT_TEMPLATES: tuple[str, ...] = (
+    "The {x} is an animal.",
+    "I like the {x} a lot.",
+    "A {x} can be found in many places.",
+)
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(frozen=True)
+class Example:
+    family: str
+    user: str  # the user turn
+    answer: str  # the assistant turn used as the training target
+    answers: tuple[str, ...]  # every correct answer (answer is one of them)
+    key: str  # canonical problem: decides the split
+
+    def messages(self, with_answer: bool = False) -> list[dict[str, str]]:
+        msgs = [{"role": "user", "content": self.user}]
+        if with_answer:
+            msgs.append({"role": "assistant", "content": self.answer})
+        return msgs
+
+
+def split_of(key: str, family: str) -> str:
+    """'train' or 'eval', from a hash of the canonical problem key alone."""
+    digest = hashlib.sha256(f"{_SPLIT_SALT}|{key}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2.0**64
+    return "eval" if u < EVAL_FRACTION[family] else "train"
+
+
+def is_correct(example: Example, output_text: str) -> bool:
+    """Exact match against any correct answer (surrounding whitespace ignored)."""
+    return output_text.strip() in example.answers
+
+
+# ----- one problem per family ------------------------------------------------------------------------
+def make_math(a: int, op: str, b: int) -> Example:
+    if op not in "+-":
+        raise ValueError(f"math op must be + or -, not {op!r}")
+    result = a + b if op == "+" else a - b
+    key = f"math|+|{min(a, b)}|{max(a, b)}" if op == "+" else f"math|-|{a}|{b}"
+    return Example("math", f"What is {a} {op} {b}?", str(result), (str(result),), key)
+
+
+def make_reverse(word: str) -> Example:
+    return Example("reverse", f"Reverse the word: {word}", word[::-1], (word[::-1],), f"reverse|{word}")
+
+
+def make_sort(numbers: Sequence[int]) -> Example:
+    shown = " ".join(str(n) for n in numbers)
+    answer = " ".join(str(n) for n in sorted(numbers))
+    return Example("sort", f"Sort these numbers: {shown}", answer, (answer,), f"sort|{answer}")
+
+
+def make_code(name: str, op: str) -> Example:
+    user = f"Write a Python function named {name} that returns the {op} of a and b."
+    answer = f"def {name}(a, b):\n    return {CODE_OPS[op]}"
+    return Example("code", user, answer, (answer,), f"code|{name}|{op}")
+
+
+def make_chat(animal: str, template: int) -> Example:
+    answers = tuple(t.format(x=animal) for t in CHAT_TEMPLATES)
+    return Example("chat", f"Tell me about the {animal}.", answers[template], answers, f"chat|{animal}")
+
+
+# ----- sampling --------------------------------------------------------------------------------------
+def _draw(family: str, rng: random.Random, level: float) -> Example:
+    """One problem of `family` at curriculum `level` (1.0 = the full distribution), either split."""
+    if family == "math":
+        top = 9 + round(90 * level)
+        return make_math(rng.randint(0, top), rng.choice("+-"), rng.randint(0, top))
+    if family == "reverse":
+        n = rng.randint(3, 3 + round(3 * level))
+        return make_reverse("".join(rng.choice(_LETTERS) for _ in range(n)))
+    if family == "sort":
+        n = rng.randint(3, 3 + round(3 * level))
+        top = 9 + round(90 * level)
+        return make_sort([rng.randint(0, top) for _ in range(n)])
+    if family == "code":
+        two_words = rng.random() < 0.5 * level
+        name = "_".join(rng.sample(CODE_WORDS, 2)) if two_words else rng.choice(CODE_WORDS)
+        return make_code(name, rng.choice(sorted(CODE_OPS)))
+    if family == "chat":
+        return make_chat(rng.choice(ANIMALS), rng.randrange(len(CHAT_TEMPLATES)))
+    raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+
+
+def sample(family: str, split: str, rng: random.Random, level: float = 1.0) -> Example:
+    """A problem of `family` from `split` (rejection: problems of the other split are redrawn)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    if not 0.0 <= level <= 1.0:
+        raise ValueError(f"level must be in [0, 1], not {level}")
+    for _ in range(10_000):
+        ex = _draw(family, rng, level)
+        if split_of(ex.key, family) == split:
+            return ex
+    raise RuntimeError(f"no {split} problem of {family!r} found at level {level}")
+
+
+class TaskGenerator:
+    """A seeded stream of problems: `next(gen)` or `gen.batch(n)`; family weights and a curriculum level.
+
+    `invented_animals`: the share of chat problems asked about an invented name (3..8 random letters) instead
+    of a listed animal. Training uses it as copying practice (the held-out animals are names the model has
+    never been asked about); invented names are never eval problems, and eval never uses them.
+    """
+
+    def __init__(self, seed: int, split: str = "train", weights: dict[str, float] | None = None,
+                 invented_animals: float = 0.0):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+        self.rng = random.Random(seed)
+        self.split = split
+        w = weights or {f: 1.0 for f in FAMILIES}
+        self.families = [f for f in FAMILIES if w.get(f, 0.0) > 0]
+        self.weights = [w[f] for f in self.families]
+        self.invented_animals = invented_animals if split == "train" else 0.0
+        self.level = 1.0
+
+    def __iter__(self) -> Iterator[Example]:
+        return self
+
+    def __next__(self) -> Example:
+        family = self.rng.choices(self.families, self.weights)[0]
+        # Curriculum: most problems at the current level, the rest easier (uniform below it).
+        level = self.level if self.rng.random() < 0.7 else self.rng.uniform(0.0, self.level)
+        if family == "chat" and self.rng.random() < self.invented_animals:
+            while True:
+                name = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 8)))
+                if name not in ANIMALS and split_of(f"chat|{name}", "chat") == self.split:
+                    return make_chat(name, self.rng.randrange(len(CHAT_TEMPLATES)))
+        return sample(family, self.split, self.rng, level)
+
+    def batch(self, n: int) -> list[Example]:
+        return [next(self) for _ in range(n)]
+
+    def state(self) -> Any:
+        return self.rng.getstate()
+
+    def set_state(self, state: Any) -> None:
+        self.rng.setstate(state)
+
+
+def eval_set(seed: int, per_family: int, families: Sequence[str] = FAMILIES) -> list[Example]:
+    """Held-out problems, `per_family` of each family, deterministic for a seed.
+
+    Distinct problems where the family has enough of them; chat has one problem per held-out animal, so
+    its list cycles through those animals (with the answer template drawn at random, which does not matter:
+    any of the three answers is correct).
+    """
+    rng = random.Random(seed)
+    out: list[Example] = []
+    for family in families:
+        seen: set[str] = set()
+        picked: list[Example] = []
+        for _ in range(200 * per_family):
+            if len(picked) == per_family:
+                break
+            ex = sample(family, "eval", rng)
+            if ex.key not in seen:
+                seen.add(ex.key)
+                picked.append(ex)
+        while len(picked) < per_family:  # a family with fewer distinct eval problems (chat) repeats them
+            picked.append(picked[len(picked) % len(seen)])
+        out.extend(picked)
+    return out
+
+
+def eval_animals() -> list[str]:
+    return [a for a in ANIMALS if split_of(f"chat|{a}", "chat") == "eval"]
+
+
+# ----- rendering ---------------------------------------------------------------------------------------
+def render_prompt(example: Example, tokenizer: Any | None = None) -> str:
+    """The prompt text: the user turn through the LLaDA2 chat template, with the assistant turn opened.
+
+    With a `redraft.engine.tokenizer.Tokenizer`, its own (checkpoint) template renders it; without one, the
+    LLaDA2 template redraft ships (the one the demo checkpoint carries).
+    """
+    if tokenizer is not None:
+        return tokenizer.apply_chat_template(example.messages(), add_generation_prompt=True)
+    from redraft.engine.tokenizer import EOS_TOKEN, MASK_TOKEN, render_chat_template
+
+    return render_chat_template(_default_template(), example.messages(), add_generation_prompt=True,
+                                bos_token="", eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, mask_token=MASK_TOKEN)
+
+
+@lru_cache(maxsize=1)
+def _default_template() -> Any:
+    from redraft.engine.tokenizer import compile_chat_template, load_default_chat_template
+
+    return compile_chat_template(load_default_chat_template())  # compiling is slow: once per process
+
+
+_MATH_RE = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
+
+
+def parse_math(user: str) -> tuple[int, str, int]:
+    m = _MATH_RE.fullmatch(user)
+    if not m:
+        raise ValueError(f"not a math problem: {user!r}")
+    return int(m.group(1)), m.group(2), int(m.group(3))

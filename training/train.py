@@ -1,0 +1,555 @@
+"""Train the bundled demo model: a small LLaDA2-MoE learning the task suite with the LLaDA2.1 objective.
+
+Not a general trainer. One step:
+  1. draw a batch of train-split problems (curriculum: small problems first), encode them as block-aligned
+     sequences, group them by block count;
+  2. noise every sequence (drafting: mask a fraction t ~ U(0,1] of the response; editing, for some: also
+     replace a few visible tokens with wrong ones);
+  3. multi-turn forward (MTF), for some sequences: one no-grad forward drafts their masked positions, the most
+     confident of those drafts are written back into the input (the model's own, partly wrong, tokens) and
+     the sequence is scored at every response position: recover the truth from what decoding would see;
+  4. one forward over the dual-copy layout (noisy copy + clean earlier blocks, data.dual_copy_mask), weighted
+     cross-entropy on the scored positions, AdamW step with clipping and a warmup + cosine LR;
+  5. the MoE routers are balanced without a loss (DeepSeek-V3 style): each expert's `expert_bias` moves by a
+     small step towards equal load.
+The model is `redraft.engine.model.LLaDA2Model` itself; only its attention function is swapped for a dense
+masked one. Everything lives in a run folder (default runs/demo/): config.json, tokenizer/, ckpt.pt (model,
+optimizer, step, RNG states; rewritten atomically), log.jsonl (one line per logged step, evals too),
+train.log (when started with nohup). Re-running the same command resumes from ckpt.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from redraft.engine.config import BLOCK_SIZE, ModelConfig
+from redraft.engine.model import LLaDA2Model, MoE
+from redraft.engine.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, load_default_chat_template,
+                                      save_pretrained_tokenizer)
+from redraft.kernels.moe import route_torch
+from redraft.training.data import (DEMO_VOCAB_SIZE, Bucket, add_noise, build_demo_tokenizer, dual_copy_mask,
+                                   dual_copy_positions, encode_example, make_buckets)
+from redraft.training.tasks import FAMILIES, TaskGenerator, eval_set, is_correct, render_prompt
+
+log = logging.getLogger("redraft.train")
+
+# The demo architecture: LLaDA2's (QK-norm, partial NeoX rotary, first layer dense, grouped sigmoid MoE with a
+# shared expert and expert bias), scaled down so that a training step is cheap on one CPU core.
+DEMO_MODEL: dict[str, Any] = {
+    "hidden_size": 160,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 5,
+    "num_key_value_heads": 5,
+    "head_dim": 32,
+    "intermediate_size": 384,
+    "moe_intermediate_size": 96,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    "use_qk_norm": True,
+    "use_qkv_bias": False,
+    "use_bias": False,
+}
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/demo"
+    seed: int = 0
+    steps: int = 60_000
+    batch_size: int = 48
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 300
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    curriculum_steps: int = 8_000  # the problem size grows to full over this many steps
+    family_weights: dict[str, float] = field(default_factory=lambda: {
+        "math": 1.3, "reverse": 1.0, "sort": 1.0, "code": 0.8, "chat": 0.9})
+    invented_animals: float = 0.3  # share of chat problems about invented names (copying practice)
+    eos_tail_weight: float = 1.0
+    p_edit: float = 0.5  # share of sequences that also get the editing (T2T) noise
+    max_edit_rate: float = 0.3
+    p_mtf: float = 0.25  # share of sequences given the multi-turn-forward augmentation (after warm-up)
+    mtf_start: int = 1_000
+    bias_update_rate: float = 1e-3  # expert_bias step per training step (aux-loss-free balancing)
+    vocab_size: int = DEMO_VOCAB_SIZE
+    model: dict[str, Any] = field(default_factory=lambda: dict(DEMO_MODEL))
+    threads: int = 1
+    log_every: int = 25
+    ckpt_every: int = 250
+    eval_every: int = 2_000
+    eval_per_family: int = 40
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        raw = {k: v for k, v in raw.items() if k in names}
+        if "betas" in raw:
+            raw["betas"] = tuple(raw["betas"])
+        return cls(**raw)
+
+
+# ----- the model with a dense attention mask ----------------------------------------------------------
+@dataclass
+class Segment:
+    start: int  # first flat token of this group of equal-length sequences
+    count: int  # number of sequences
+    length: int  # tokens per sequence
+    mask: torch.Tensor  # [length, length] bool
+
+
+@dataclass
+class DenseMeta:
+    """Stands in for AttentionMetadata: the model reads `.positions`; `dense_attention` reads the segments."""
+
+    positions: torch.Tensor  # [T]
+    segments: list[Segment]
+
+
+def dense_attention(q, k, v, k_cache, v_cache, meta: DenseMeta) -> torch.Tensor:
+    """Masked attention over groups of equal-length sequences; no KV cache. q: [T, Hq, D], k/v: [T, Hkv, D]."""
+    outs = []
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    for seg in meta.segments:
+        sl = slice(seg.start, seg.start + seg.count * seg.length)
+        qs = q[sl].view(seg.count, seg.length, hq, d).transpose(1, 2)  # [B, Hq, L, D]
+        ks = k[sl].view(seg.count, seg.length, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+        vs = v[sl].view(seg.count, seg.length, hkv, d).transpose(1, 2)
+        if hkv != hq:
+            ks, vs = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=1.0 / d**0.5)
+        outs.append(o.transpose(1, 2).reshape(seg.count * seg.length, hq, d))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def model_config(tcfg: TrainConfig, tok: Tokenizer) -> ModelConfig:
+    raw = {"model_type": "llada2_moe", **tcfg.model, "vocab_size": tok.vocab_size,
+           "pad_token_id": tok.eos_token_id, "torch_dtype": "float32"}
+    return ModelConfig.from_dict(raw)
+
+
+def init_model(cfg: ModelConfig, seed: int) -> LLaDA2Model:
+    """LLaDA2Model with GPT-style init: N(0, 0.02), residual-output projections scaled by 1/sqrt(2 * layers)."""
+    torch.manual_seed(seed)
+    model = LLaDA2Model(cfg)
+    model.attend = dense_attention
+    out_std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+        elif name.endswith(("o_proj.weight", ".down", ".w2")):
+            torch.nn.init.normal_(p, std=out_std)
+        else:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def forward_logits(model: LLaDA2Model, inputs: list[tuple[Bucket, torch.Tensor]], rows: list[torch.Tensor]
+                   ) -> torch.Tensor:
+    """One forward over the dual-copy layout of several buckets; logits at the requested noisy positions.
+
+    inputs: (bucket, noisy tokens [B, S]) per bucket; rows: per bucket, a [B, S] bool of positions to score.
+    Returns [N, V] logits for the True positions, bucket by bucket, row-major.
+    """
+    ids, pos, segments, picks = [], [], [], []
+    start = 0
+    for (b, xt), want in zip(inputs, rows):
+        nb, s = b.num_blocks, b.x0.shape[1]
+        clean = b.x0[:, : s - BLOCK_SIZE]
+        seq = torch.cat([xt, clean], dim=1)  # [B, L]
+        length = seq.shape[1]
+        ids.append(seq.reshape(-1))
+        pos.append(dual_copy_positions(nb).repeat(b.size))
+        segments.append(Segment(start, b.size, length, dual_copy_mask(nb)))
+        r, c = want.nonzero(as_tuple=True)
+        picks.append(start + r * length + c)
+        start += b.size * length
+    meta = DenseMeta(torch.cat(pos), segments)
+    hidden = model(torch.cat(ids), meta, [None] * len(model.layers), [None] * len(model.layers))  # [T, H]
+    return model.logits(hidden[torch.cat(picks)])  # [N, V]
+
+
+# ----- load balancing of the routers ----------------------------------------------------------------------
+class RouterLoad:
+    """Counts how many tokens each expert received in the training forward (via forward hooks)."""
+
+    def __init__(self, model: LLaDA2Model):
+        self.moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+        self.counts = [torch.zeros(m.cfg.num_experts) for m in self.moes]
+        self.enabled = False
+        for i, m in enumerate(self.moes):
+            m.register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(module: MoE, inputs, output):
+            if not self.enabled:
+                return
+            c = module.cfg
+            with torch.no_grad():
+                ids, _ = route_torch(inputs[0], module.router, module.expert_bias, top_k=c.num_experts_per_tok,
+                                     n_group=c.n_group, topk_group=c.topk_group,
+                                     routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob)
+                self.counts[i] += torch.bincount(ids.flatten(), minlength=c.num_experts).float()
+        return hook
+
+    def balance(self, rate: float) -> float:
+        """Nudge every expert_bias towards equal load; returns the worst max/mean load ratio seen."""
+        worst = 0.0
+        with torch.no_grad():
+            for m, c in zip(self.moes, self.counts):
+                if c.sum() == 0:
+                    continue
+                m.expert_bias += rate * torch.sign(c.mean() - c)
+                worst = max(worst, float(c.max() / c.mean()))
+                c.zero_()
+        return worst
+
+
+# ----- the trainer -------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, tcfg: TrainConfig):
+        self.tcfg = tcfg
+        self.run = Path(tcfg.run_dir)
+        self.run.mkdir(parents=True, exist_ok=True)
+        self.tok = self._tokenizer()
+        self.cfg = model_config(tcfg, self.tok)
+        self.model = init_model(self.cfg, tcfg.seed)
+        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=tcfg.lr, betas=tcfg.betas)
+        self.load = RouterLoad(self.model)
+        self.gen = TaskGenerator(tcfg.seed, "train", tcfg.family_weights, invented_animals=tcfg.invented_animals)
+        self.rng = random.Random(tcfg.seed + 1)
+        self.torch_gen = torch.Generator().manual_seed(tcfg.seed + 2)
+        specials = {self.tok.token_to_id(t) for t in LLADA2_SPECIAL_TOKENS}
+        self.noise_vocab = torch.tensor(
+            [i for i in range(self.tok.vocab_size) if i not in specials] + [self.tok.eos_token_id])
+        self.step = 0
+
+    def _tokenizer(self) -> Tokenizer:
+        tdir = self.run / "tokenizer"
+        if not (tdir / "tokenizer.json").is_file():
+            hf = build_demo_tokenizer(self.tcfg.vocab_size, self.tcfg.seed)
+            save_pretrained_tokenizer(hf, tdir, load_default_chat_template(),
+                                      model_max_length=self.tcfg.model["max_position_embeddings"])
+        return Tokenizer.from_pretrained(tdir)
+
+    # -- schedule --
+    def lr_at(self, step: int) -> float:
+        c = self.tcfg
+        if step < c.warmup_steps:
+            return c.lr * (step + 1) / c.warmup_steps
+        progress = min(1.0, (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps))
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def level_at(self, step: int) -> float:
+        return min(1.0, 0.15 + 0.85 * step / max(1, self.tcfg.curriculum_steps))
+
+    # -- one step --
+    def make_batch(self, n: int) -> list[Bucket]:
+        self.gen.level = self.level_at(self.step)
+        seqs = [encode_example(ex, self.tok, self.rng) for ex in self.gen.batch(n)]
+        return make_buckets(seqs, self.tcfg.eos_tail_weight)
+
+    def noised(self, buckets: list[Bucket], mtf: bool) -> list[tuple[Bucket, torch.Tensor, torch.Tensor]]:
+        """(bucket, noisy input, scored positions) per bucket, MTF applied to a share of the sequences."""
+        c, mask_id = self.tcfg, self.tok.mask_token_id
+        out = []
+        for b in buckets:
+            nz = add_noise(b, mask_id, self.noise_vocab, self.torch_gen, p_edit=c.p_edit,
+                           max_edit_rate=c.max_edit_rate)
+            out.append([b, nz.xt, nz.scored, nz.masked])
+        if mtf and c.p_mtf > 0:
+            self._multi_turn_forward(out)
+        return [(b, xt, scored) for b, xt, scored, _ in out]
+
+    @torch.no_grad()
+    def _multi_turn_forward(self, items: list[list]) -> None:
+        """Replace the noisy input of a share of the sequences by the model's own draft of it.
+
+        items: [bucket, noisy input, scored, masked] per bucket, updated in place.
+        """
+        picked = []  # (item index, chosen rows, sub-bucket, its noisy input, its masked positions)
+        for i, (b, xt, _, masked) in enumerate(items):
+            ch = torch.rand(b.size, generator=self.torch_gen) < self.tcfg.p_mtf
+            if ch.any():
+                part = Bucket(b.num_blocks, b.x0[ch], b.alt[ch], b.response[ch], b.weight[ch], b.content[ch],
+                              [f for f, keep in zip(b.family, ch.tolist()) if keep])
+                picked.append((i, ch, part, xt[ch], masked[ch]))
+        if not picked:
+            return
+        self.model.eval()
+        logits = forward_logits(self.model, [(p, xt) for _, _, p, xt, _ in picked], [m for *_, m in picked])
+        self.model.train()
+        logits = logits.float()
+        logits[:, self.tok.mask_token_id] = float("-inf")
+        prob, pred = logits.softmax(-1).max(-1)
+        offset = 0
+        for i, ch, part, xt, masked in picked:
+            n = int(masked.sum())
+            conf = torch.full(masked.shape, -1.0)
+            guess = xt.clone()
+            conf[masked], guess[masked] = prob[offset: offset + n], pred[offset: offset + n]
+            offset += n
+            # Write back the k most confident drafts of each sequence, k ~ U{1..masked}, as decoding would.
+            k = (torch.rand(masked.shape[0], 1, generator=self.torch_gen) * masked.sum(1, keepdim=True)).ceil()
+            rank = conf.argsort(1, descending=True).argsort(1)
+            fill = masked & (rank < k)
+            b, xt_all, scored_all, _ = items[i]
+            xt_all, scored_all = xt_all.clone(), scored_all.clone()
+            xt_all[ch] = torch.where(fill, guess, xt)
+            scored_all[ch] = part.response  # scored at every response position, as in the editing stream
+            items[i][1], items[i][2] = xt_all, scored_all
+
+    def train_step(self, buckets: list[Bucket]) -> dict[str, float]:
+        c = self.tcfg
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(self.step)
+        noisy = self.noised(buckets, mtf=self.step >= c.mtf_start)
+        self.model.train()
+        self.load.enabled = True
+        logits = forward_logits(self.model, [(b, xt) for b, xt, _ in noisy], [sc for _, _, sc in noisy])
+        self.load.enabled = False
+        target = torch.cat([b.x0[sc] for b, _, sc in noisy])
+        weight = torch.cat([b.weight[sc] for b, _, sc in noisy])
+        ce = F.cross_entropy(logits.float(), target, reduction="none")
+        loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        self.opt.step()
+        imbalance = self.load.balance(c.bias_update_rate)
+        self.step += 1
+        stats = {"loss": loss.item(), "gnorm": float(gnorm), "lr": self.opt.param_groups[0]["lr"],
+                 "moe_max_load": imbalance, "level": self.gen.level}
+        with torch.no_grad():  # argmax accuracy on the scored answer tokens, overall and per family
+            right = logits.argmax(-1) == target
+            content = torch.cat([b.content[sc] for b, _, sc in noisy])
+            fam = torch.cat([torch.tensor([FAMILIES.index(f) for f in b.family])[:, None].expand_as(sc)[sc]
+                             for b, _, sc in noisy])
+            stats["acc"] = float(right[content].float().mean())
+            for i, f in enumerate(FAMILIES):
+                sel = content & (fam == i)
+                if sel.any():
+                    stats[f"acc_{f}"] = float(right[sel].float().mean())
+        return stats
+
+    # -- checkpoints --
+    def save(self) -> None:
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "opt": self.opt.state_dict(),
+            "gen": self.gen.state(),
+            "rng": self.rng.getstate(),
+            "torch_gen": self.torch_gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "train_config": dataclasses.asdict(self.tcfg),
+        }
+        tmp = self.run / "ckpt.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.run / "ckpt.pt")
+
+    def resume(self) -> bool:
+        path = self.run / "ckpt.pt"
+        if not path.is_file():
+            return False
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step = state["step"]
+        self.gen.set_state(state["gen"])
+        self.rng.setstate(state["rng"])
+        self.torch_gen.set_state(state["torch_gen"])
+        torch.set_rng_state(state["torch_rng"])
+        self._trim_log(self.step)
+        return True
+
+    def _trim_log(self, step: int) -> None:
+        """Drop log lines written after the checkpoint we resume from (they will be written again)."""
+        path = self.run / "log.jsonl"
+        if not path.is_file():
+            return
+        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        path.write_text("".join(ln + "\n" for ln in keep))
+
+    def log(self, record: dict[str, Any]) -> None:
+        with open(self.run / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # -- evaluation through the real engine --
+    def evaluate(self, per_family: int, modes: tuple[str, ...] = ("Q", "S")) -> dict[str, Any]:
+        """Export the current weights and decode held-out problems with `redraft.Engine` (exact serving path)."""
+        from redraft.engine.engine import Engine
+        from redraft.training.export import export_model
+
+        out_dir = self.run / "eval_model"
+        export_model(self.model, self.tok, out_dir)
+        exs = eval_set(self.tcfg.seed + 1000, per_family)
+        engine = Engine(str(out_dir), max_total_tokens=32 * 1024, progress=False)
+        try:
+            prompts = [engine.tokenizer.encode(render_prompt(ex, engine.tokenizer)) for ex in exs]
+            result: dict[str, Any] = {}
+            for mode in modes:
+                outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 64, "mode": mode})
+                acc = {f: [] for f in FAMILIES}
+                tokens = forwards = 0
+                for ex, o in zip(exs, outs):
+                    acc[ex.family].append(is_correct(ex, o["text"]))
+                    tokens += o["meta_info"]["completion_tokens"]
+                    forwards += o["meta_info"]["steps"]
+                result[mode] = {f: sum(v) / len(v) for f, v in acc.items() if v}
+                result[mode]["all"] = sum(sum(v) for v in acc.values()) / len(exs)
+                result[mode]["tpf"] = tokens / max(1, forwards)
+            result["samples"] = [(ex.user, o["text"]) for ex, o in list(zip(exs, outs))[:: per_family]]
+            return result
+        finally:
+            engine.shutdown()
+
+    # -- the loop --
+    def fit(self, progress: bool = True) -> None:
+        c = self.tcfg
+        bar = tqdm(total=c.steps, initial=self.step, desc="train-demo", unit="step", disable=not progress,
+                   dynamic_ncols=True)
+        window: list[dict[str, float]] = []
+        t0, s0 = time.time(), self.step
+        while self.step < c.steps:
+            stats = self.train_step(self.make_batch(c.batch_size))
+            window.append(stats)
+            bar.update(1)
+            if self.step % c.log_every == 0:
+                keys = sorted({k for w in window for k in w})
+                avg = {k: sum(w[k] for w in window if k in w) / sum(k in w for w in window) for k in keys}
+                rate = (self.step - s0) / max(1e-9, time.time() - t0)
+                rec = {"step": self.step, **{k: round(v, 5) for k, v in avg.items()}, "steps_per_s": round(rate, 3),
+                       "time": round(time.time(), 1)}
+                self.log(rec)
+                bar.set_postfix(loss=f"{avg['loss']:.3f}", acc=f"{avg['acc']:.3f}", lr=f"{avg['lr']:.2e}")
+                fams = " ".join(f"{f} {avg[f'acc_{f}']:.2f}" for f in FAMILIES if f"acc_{f}" in avg)
+                log.info("step %d loss %.4f acc %.3f (%s) gnorm %.2f lr %.2e level %.2f moe_max_load %.2f %.2f steps/s",
+                         self.step, avg["loss"], avg["acc"], fams, avg["gnorm"], avg["lr"], avg["level"],
+                         avg["moe_max_load"], rate)
+                window = []
+            if self.step % c.ckpt_every == 0 or self.step == c.steps:
+                self.save()
+            if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
+                self._logged_eval()
+        bar.close()
+
+    def _logged_eval(self) -> None:
+        t = time.time()
+        try:
+            res = self.evaluate(self.tcfg.eval_per_family)
+        except Exception as exc:  # the engine is developed concurrently: an eval failure must not stop training
+            log.exception("evaluation failed at step %d", self.step)
+            self.log({"step": self.step, "eval_error": repr(exc)})
+            return
+        samples = res.pop("samples")
+        self.log({"step": self.step, "eval": res, "eval_seconds": round(time.time() - t, 1)})
+        for mode, r in res.items():
+            log.info("eval step %d mode %s: %s", self.step, mode, " ".join(f"{k} {v:.3f}" for k, v in r.items()))
+        for user, text in samples:
+            log.info("  %r -> %r", user, text)
+
+
+# ----- command line ----------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="redraft train-demo",
+                                description="Train (or resume training) the bundled demo LLaDA2-MoE model on CPU.")
+    p.add_argument("--run-dir", default="runs/demo", help="run folder: checkpoints, log, tokenizer (default runs/demo)")
+    p.add_argument("--steps", type=int, default=None, help="total optimizer steps (default 60000)")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between engine evaluations (0: never)")
+    p.add_argument("--fresh", action="store_true", help="start over: ignore (and overwrite) an existing checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _running_trainer(run: Path) -> int | None:
+    """The pid in run/train.pid if that process is alive and is a trainer (so two never share a run)."""
+    try:
+        pid = int((run / "train.pid").read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if pid != os.getpid() and b"train" in cmdline else None
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """`redraft train-demo`: resumes runs/demo by default; its config.json fixes the run's settings."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run = Path(args.run_dir)
+    cfg_path = run / "config.json"
+    if cfg_path.is_file() and not args.fresh:
+        tcfg = TrainConfig.from_dict(json.loads(cfg_path.read_text()))
+    else:
+        tcfg = TrainConfig(run_dir=str(run))
+    overrides = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+                 "threads": args.threads, "eval_every": args.eval_every}
+    tcfg = dataclasses.replace(tcfg, run_dir=str(run), **{k: v for k, v in overrides.items() if v is not None})
+    if args.fresh:
+        for name in ("ckpt.pt", "log.jsonl"):
+            (run / name).unlink(missing_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
+    other = _running_trainer(run)
+    if other is not None:
+        print(f"redraft train-demo: a trainer (pid {other}) is already running in {run}", file=sys.stderr)
+        return 1
+    (run / "train.pid").write_text(f"{os.getpid()}\n")
+    cfg_path.write_text(json.dumps(dataclasses.asdict(tcfg), indent=2) + "\n")
+    torch.set_num_threads(tcfg.threads)
+    trainer = Trainer(tcfg)
+    resumed = trainer.resume()
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    log.info("%s at step %d of %d; model %.2fM parameters (%.1f MB fp32), vocab %d; run folder %s",
+             "resumed" if resumed else "starting", trainer.step, tcfg.steps, n_params / 1e6, n_params * 4 / 1e6,
+             trainer.cfg.vocab_size, run)
+    progress = not args.no_progress and sys.stderr.isatty()
+    try:
+        trainer.fit(progress=progress)
+    except KeyboardInterrupt:
+        log.info("interrupted at step %d: saving", trainer.step)
+        trainer.save()
+        return 130
+    log.info("done: %d steps; export with `python -m redraft.training.export --run-dir %s --out DIR`",
+             trainer.step, run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(train_main())
