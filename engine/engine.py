@@ -49,6 +49,13 @@ class EngineConfig:
     # Baseline for benchmarks: every forward recomputes the whole prefix (the official generate() without a
     # KV cache). Outputs are the same; only the work differs.
     recompute_prefix: bool = False
+    # torch's intra-op threads on CPU (None: torch's default). On a busy machine, 1 avoids OpenMP threads
+    # spinning against each other, which can cost an order of magnitude.
+    cpu_threads: int | None = None
+    # CUDA graphs for the denoising step (device="cuda" with kernel_backend="triton" only), captured at
+    # batch-size buckets up to this size (capped by max_running_requests); larger batches run eagerly.
+    cuda_graph_max_bs: int = 64
+    disable_cuda_graph: bool = False
 
 
 class Engine:
@@ -56,8 +63,12 @@ class Engine:
         self.config = cfg = EngineConfig(model_path=model_path, **kwargs)
         if cfg.default_mode not in ("S", "Q", "auto"):
             raise ValueError(f"default_mode must be S, Q or auto, got {cfg.default_mode!r}")
+        if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={cfg.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
         if cfg.quantization not in (None, "none"):
             raise ValueError(f"quantization {cfg.quantization!r} is not available in this build")
+        if cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
         path = Path(model_path) if model_path else (None if cfg.load_format == "dummy" else default_model_path())
         if path is not None and not path.is_dir():
             raise FileNotFoundError(f"model directory {path} does not exist")
@@ -72,6 +83,11 @@ class Engine:
             seed=cfg.seed, progress=cfg.progress,
         )
         self.model.set_kernel_backend(cfg.kernel_backend)
+        on_gpu = torch.device(cfg.device).type == "cuda"
+        if on_gpu and cfg.kernel_backend == "triton":
+            from redraft.engine.cuda_graphs import moe_experts_static
+
+            self.model.set_moe_experts(moe_experts_static)  # sync-free, so the step can be captured
         log.info(
             "loaded %s (%.1fM params, %s, %s) in %.1fs",
             path, self.model_config.num_params() / 1e6, cfg.dtype, cfg.device, time.perf_counter() - t0,
@@ -87,7 +103,11 @@ class Engine:
             ),
             stop_checker=self.stop_string_hit,
         )
-        self.runner = ModelRunner(self.model, num_pages, self.tokenizer.mask_token_id, cfg.device)
+        graph_bs = 0
+        if on_gpu and cfg.kernel_backend == "triton" and not cfg.disable_cuda_graph:
+            graph_bs = max(0, min(cfg.cuda_graph_max_bs, cfg.max_running_requests))
+        self.runner = ModelRunner(self.model, num_pages, self.tokenizer.mask_token_id, cfg.device,
+                                  cuda_graph_max_bs=graph_bs)
 
     @property
     def pool(self):
@@ -238,6 +258,7 @@ def request_meta(req: Request) -> dict:
         "edits": req.stats.edits,
         "blocks": req.stats.blocks,
         "mode": req.params.mode,
+        "domain": req.params.params.domain,
     } | logprob_meta(req)
 
 

@@ -84,6 +84,9 @@ class EngineLoop:
         self._tokens_since_log = 0
         self._forwards_since_log = 0
         self._steps_since_log = 0
+        # Queue time for metrics: when each request reached the engine, until its first admission.
+        self._enqueued: dict[str, float] = {}
+        self._queue_time: dict[str, float] = {}
 
     def run(self) -> None:
         while self.running:
@@ -113,6 +116,7 @@ class EngineLoop:
             try:
                 req = self.engine.make_request(msg.input_ids, msg.params, rid=msg.rid)
                 self.sched.add_request(req)
+                self._enqueued[msg.rid] = time.monotonic()
                 self.outbox.append(Accepted(msg.rid))
             except QueueFull as exc:
                 self.outbox.append(RejectReq(msg.rid, 503, str(exc), "queue_full"))
@@ -133,6 +137,11 @@ class EngineLoop:
 
     def _step(self) -> None:
         items = self.sched.schedule()
+        now = time.monotonic()
+        for it in items:  # a request's first batch is its admission
+            start = self._enqueued.pop(it.req.rid, None)
+            if start is not None:
+                self._queue_time[it.req.rid] = now - start
         if items:
             out = self.engine.runner.run(items)
             self.sched.update(items, out)
@@ -146,7 +155,11 @@ class EngineLoop:
             ids = req.output_ids()
             if req.finished:
                 self._tokens_since_log += len(ids)
-            meta = request_meta(req) if req.finished else {"steps": req.stats.steps} | logprob_meta(req)
+            if req.finished:
+                self._enqueued.pop(req.rid, None)  # aborted while waiting: never admitted
+                meta = request_meta(req) | {"queue_time": self._queue_time.pop(req.rid, None)}
+            else:
+                meta = {"steps": req.stats.steps, "blocks": req.stats.blocks} | logprob_meta(req)
             self.outbox.append(RequestOutput(req.rid, ids, req.finished, finish_reason_json(req), meta))
 
     def _flush(self) -> None:

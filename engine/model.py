@@ -11,7 +11,6 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from redraft.engine.config import ModelConfig
 from redraft.kernels.attention import AttentionMetadata, paged_attention_torch
@@ -101,6 +100,7 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H] gate | up
         self.w2 = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
         self.shared = DenseMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
+        self.experts: Callable[..., torch.Tensor] = moe_experts_torch  # see LLaDA2Model.set_moe_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -108,7 +108,7 @@ class MoE(nn.Module):
             x, self.router, self.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
             topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
         )
-        out = moe_experts_torch(x, self.w13, self.w2, topk_ids, topk_w)
+        out = self.experts(x, self.w13, self.w2, topk_ids, topk_w)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
@@ -138,6 +138,7 @@ class LLaDA2Model(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.attend: AttentionFn = paged_attention_torch
+        self.kernel_backend = "torch"
 
     def forward(
         self,
@@ -157,5 +158,16 @@ class LLaDA2Model(nn.Module):
     def set_kernel_backend(self, backend: str) -> None:
         if backend == "torch":
             self.attend = paged_attention_torch
+        elif backend == "triton":
+            from redraft.kernels.attention_triton import paged_attention_triton  # imports triton lazily
+
+            self.attend = paged_attention_triton
         else:
-            raise ValueError(f"unknown kernel backend {backend!r} (this build has: torch)")
+            raise ValueError(f"unknown kernel backend {backend!r} (choose torch or triton)")
+        self.kernel_backend = backend
+
+    def set_moe_experts(self, fn: Callable[..., torch.Tensor]) -> None:
+        """Swap the routed-experts function of every MoE layer (signature of `moe_experts_torch`)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts = fn

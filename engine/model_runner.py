@@ -20,7 +20,8 @@ log = logging.getLogger("redraft.runner")
 
 
 class ModelRunner:
-    def __init__(self, model: LLaDA2Model, num_pages: int, mask_id: int, device: str | torch.device):
+    def __init__(self, model: LLaDA2Model, num_pages: int, mask_id: int, device: str | torch.device,
+                 cuda_graph_max_bs: int = 0):
         cfg: ModelConfig = model.cfg
         self.model = model
         self.cfg = cfg
@@ -28,13 +29,31 @@ class ModelRunner:
         self.mask_id = mask_id
         self.block_size = BLOCK_SIZE
         dtype = next(model.parameters()).dtype
-        shape = (cfg.num_hidden_layers, num_pages, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, B, Hkv, D]
+        # One page beyond the scheduler's pages 0..num_pages-1: the scratch page that padded batch rows
+        # (CUDA graphs) write to and read from; no request ever owns it.
+        self.scratch_page = num_pages
+        shape = (cfg.num_hidden_layers, num_pages + 1, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P + 1, B, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         log.info(
             "KV cache: %d pages x %d tokens (%.1f MiB)",
             num_pages, BLOCK_SIZE, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
         )
+        self.graphs = None  # DecodeGraphs when the denoising step runs as CUDA graphs
+        self.graph_error: str | None = None  # why capture failed (the step then runs eagerly)
+        if cuda_graph_max_bs > 0:
+            if self.device.type != "cuda" or model.kernel_backend != "triton":
+                raise ValueError("CUDA graphs need device='cuda' and kernel_backend='triton'")
+            from redraft.engine.cuda_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(self, cuda_graph_max_bs)
+            try:
+                graphs.capture()
+                self.graphs = graphs
+            except Exception as exc:  # noqa: BLE001 - serve eagerly rather than not at all
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed, the denoising step runs eagerly: %s", self.graph_error)
+                torch.cuda.synchronize(self.device)
 
     @staticmethod
     def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -42,24 +61,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, items: list[WorkItem]) -> DecodeOutput:
-        b = self.block_size
-        q_starts, q_lens, tables, ids = [], [], [], []
-        for it in items:
-            start, end = it.first * b, (it.last + 1) * b
-            q_starts.append(start)
-            q_lens.append(end - start)
-            tables.append(it.req.pages[: it.last + 1])
-            ids.extend(it.req.tokens[start:end])
-        meta = AttentionMetadata.build(q_starts, q_lens, tables, b, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.k_cache, self.v_cache)  # [T, H]
-
-        decoding = [i for i, it in enumerate(items) if it.decodes]
-        if not decoding:
-            return DecodeOutput()
-        ends = meta.cu_q[1:][decoding]  # [N] flat end of each decoding window = end of its active block
-        rows = ends[:, None] - b + torch.arange(b, device=self.device)[None, :]  # [N, B]
-        logits = self.model.logits(hidden[rows])  # [N, B, V]
+        if self.graphs is not None and self.graphs.can_run(items):
+            logits = self.graphs.run(items)  # [N, B, V]: every item decodes its one active block
+            decoding = list(range(len(items)))
+        else:
+            logits, decoding = self._forward_eager(items)
+            if not decoding:
+                return DecodeOutput()
         reqs = [items[i].req for i in decoding]
         result = self._step(logits, reqs)
         out = DecodeOutput(
@@ -72,6 +80,28 @@ class ModelRunner:
         if any(wants):
             self._logprobs(logits, result.tokens, reqs, wants, out)
         return out
+
+    def _forward_eager(self, items: list[WorkItem]) -> tuple[torch.Tensor | None, list[int]]:
+        """Any batch: one forward over every item's window; logits [N, B, V] of the decoding items' blocks."""
+        b = self.block_size
+        q_starts, q_lens, tables, ids = [], [], [], []
+        for it in items:
+            start, end = it.first * b, (it.last + 1) * b
+            q_starts.append(start)
+            q_lens.append(end - start)
+            tables.append(it.req.pages[: it.last + 1])
+            ids.extend(it.req.tokens[start:end])
+        meta = AttentionMetadata.build(q_starts, q_lens, tables, b, self.device,
+                                       with_torch_plan=self.model.kernel_backend == "torch")
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta, self.k_cache, self.v_cache)  # [T, H]
+
+        decoding = [i for i, it in enumerate(items) if it.decodes]
+        if not decoding:
+            return None, decoding
+        ends = meta.cu_q[1:][decoding]  # [N] flat end of each decoding window = end of its active block
+        rows = ends[:, None] - b + torch.arange(b, device=self.device)[None, :]  # [N, B]
+        return self.model.logits(hidden[rows]), decoding  # [N, B, V]
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Request], wants: list[bool],

@@ -19,6 +19,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--default-mode", default="Q", choices=["S", "Q", "auto"])
+    p.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest batch replayed from a CUDA graph")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads on CPU (default: torch's choice; 1 is best on a busy machine)")
     p.add_argument("--log-level", default="info")
 
 
@@ -32,6 +36,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_total_tokens=args.max_total_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         default_mode=args.default_mode,
+        cpu_threads=args.cpu_threads,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
     )
 
 
@@ -72,6 +79,12 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from redraft.clients.bench import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     tiny.add_argument("--shards", type=int, default=1)
     tiny.set_defaults(func=cmd_make_tiny)
+
+    from redraft.clients.bench import add_bench_args
+
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server: latency, tokens/s per domain and mode",
+                           description="Drive any OpenAI-compatible server through streaming /v1/chat/completions "
+                                       "at fixed concurrencies or Poisson request rates; JSON report and PNG plot. "
+                                       "See `python -m redraft.clients.bench --help` for the details.")
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
