@@ -114,14 +114,18 @@ class ServerMetrics:
         # ---- engine gauges (SGLang's names) ----
         self.num_running_reqs = gauge("sglang:num_running_reqs", "Requests being decoded.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "Requests waiting for admission.")
-        self.num_used_tokens = gauge("sglang:num_used_tokens", "KV cache tokens in use (requests and prefix cache).")
+        self.num_used_tokens = gauge("sglang:num_used_tokens",
+                                     "KV cache tokens in use (requests and prefix cache).")
         self.token_usage = gauge("sglang:token_usage", "Fraction of the KV cache in use.")
-        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Prefix cache hit rate (matched / looked-up prompt tokens).")
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate",
+                                    "Prefix cache hit rate (matched / looked-up prompt tokens).")
         self.max_total_num_tokens = gauge("sglang:max_total_num_tokens", "KV cache capacity in tokens.")
         # ---- engine gauges (redraft's) ----
-        self.engine_up = gauge("redraft:engine_up", "1 when the engine process answered the last scrape's ping, else 0.")
+        self.engine_up = gauge("redraft:engine_up",
+                               "1 when the engine process answered the last scrape's ping, else 0.")
         self.cached_tokens = gauge("redraft:cached_tokens", "Tokens held by the prefix cache (whole blocks).")
-        self.num_preemptions = gauge("redraft:num_preemptions", "Requests preempted since the engine started (monotonic).")
+        self.num_preemptions = gauge("redraft:num_preemptions",
+                                     "Requests preempted since the engine started (monotonic).")
         self.max_running_requests = gauge("redraft:max_running_requests", "The engine's limit on running requests.")
         self.max_queued_requests = gauge("redraft:max_queued_requests",
                                          "The engine's limit on waiting requests (0: unlimited).")
@@ -129,15 +133,20 @@ class ServerMetrics:
         # ---- per-request counters (SGLang's names) ----
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens of finished requests.")
-        self.cached_prompt_tokens = counter("sglang:cached_tokens", "Prompt tokens of finished requests read from the prefix cache.")
+        self.cached_prompt_tokens = counter("sglang:cached_tokens",
+                                            "Prompt tokens of finished requests read from the prefix cache.")
         self.num_requests = counter("sglang:num_requests", "Finished requests (aborted ones included).")
         self.num_aborted = counter("sglang:num_aborted_requests", "Requests that ended by abort or client disconnect.")
         # ---- per-request counters (redraft's) ----
-        self.forwards = counter("redraft:forwards", "Denoising forwards of finished requests (a batched forward counts once per request in it).")
-        self.tokens_committed = counter("redraft:tokens_committed", "Output tokens of committed blocks, counted as each block is committed.")
-        self.blocks_committed = counter("redraft:blocks_committed", "Blocks committed (final), counted when the request finishes.")
+        self.forwards = counter("redraft:forwards", "Denoising forwards of finished requests "
+                                                    "(a batched forward counts once per request in it).")
+        self.tokens_committed = counter("redraft:tokens_committed",
+                                        "Output tokens of committed blocks, counted as each block is committed.")
+        self.blocks_committed = counter("redraft:blocks_committed",
+                                        "Blocks committed (final), counted when the request finishes.")
         self.edits = counter("redraft:edits", "Token-to-token edits (T2T) of finished requests.")
-        self.mbe_reopens = counter("redraft:mbe_reopens", "Blocks re-opened by multi-block editing (0 until MBE exists).")
+        self.mbe_reopens = counter("redraft:mbe_reopens",
+                                   "Blocks re-opened by multi-block editing (0 until MBE exists).")
         self.rejected = counter("redraft:rejected_requests", "Requests the engine refused at admission, by code.",
                                 ["model_name", "code"])
 
@@ -157,13 +166,18 @@ class ServerMetrics:
         self.tokens_per_forward = histogram("redraft:tokens_per_forward",
                                             "Output tokens per forward of a finished request.", TPF_BUCKETS)
 
-        # Zero series for every (mode, domain), so rates and panels show the configured domains from the start.
+        # Zero series for every (mode, domain) from the start: a series that first appears with its first
+        # request already counted would be lost to rate() and histogram_quantile(). Bounded: the label values
+        # are the configured domains + "other" times the two modes.
         for mode in MODES:
             for domain in (*self.domains, OTHER_DOMAIN):
-                for c in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens, self.num_requests,
-                          self.num_aborted, self.forwards, self.tokens_committed, self.blocks_committed, self.edits,
-                          self.mbe_reopens):
-                    c.labels(model_name, mode, domain)
+                for metric in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
+                               self.num_requests, self.num_aborted, self.forwards, self.tokens_committed,
+                               self.blocks_committed, self.edits, self.mbe_reopens, self.ttft, self.itl,
+                               self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward):
+                    metric.labels(model_name, mode, domain)
+        for code in ("queue_full", "invalid_request_error"):  # the engine's admission refusals
+            self.rejected.labels(model_name, code)
 
     # ---- wiring --------------------------------------------------------------------------------------
     def attach(self, client: Any) -> None:

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.server.common import ServerState
 
-OPEN_PATHS = {"/health", "/metrics"}  # liveness probes and Prometheus need no key
+OPEN_PATHS = {"/health", "/live", "/metrics"}  # liveness probes and Prometheus need no key
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
