@@ -65,8 +65,8 @@ class Engine:
             raise ValueError(f"default_mode must be S, Q or auto, got {cfg.default_mode!r}")
         if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={cfg.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
-        if cfg.quantization not in (None, "none"):
-            raise ValueError(f"quantization {cfg.quantization!r} is not available in this build")
+        if cfg.quantization not in (None, "none", "fp8"):
+            raise ValueError(f"unknown quantization {cfg.quantization!r}: choose fp8 (or none)")
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         path = Path(model_path) if model_path else (None if cfg.load_format == "dummy" else default_model_path())
@@ -80,17 +80,17 @@ class Engine:
         t0 = time.perf_counter()
         self.model = load_model(
             path, self.model_config, dtype=cfg.dtype, device=cfg.device, load_format=cfg.load_format,
-            seed=cfg.seed, progress=cfg.progress,
+            seed=cfg.seed, progress=cfg.progress, quantization=cfg.quantization,
         )
+        # kernel_backend="triton": Triton attention and the fused Triton MoE (sync-free: the denoising step can be
+        # captured in a CUDA graph); "torch": the plain-torch twins. FP8 linears follow the same choice.
         self.model.set_kernel_backend(cfg.kernel_backend)
+        self.quantization = self.model.quantization  # "fp8" also when the checkpoint itself is FP8
         on_gpu = torch.device(cfg.device).type == "cuda"
-        if on_gpu and cfg.kernel_backend == "triton":
-            from redraft.engine.cuda_graphs import moe_experts_static
-
-            self.model.set_moe_experts(moe_experts_static)  # sync-free, so the step can be captured
         log.info(
-            "loaded %s (%.1fM params, %s, %s) in %.1fs",
-            path, self.model_config.num_params() / 1e6, cfg.dtype, cfg.device, time.perf_counter() - t0,
+            "loaded %s (%.1fM params, %s%s, %s) in %.1fs",
+            path, self.model_config.num_params() / 1e6, cfg.dtype, ", fp8 weights" if self.quantization else "",
+            cfg.device, time.perf_counter() - t0,
         )
         dtype = resolve_dtype(cfg.dtype)
         max_tokens = cfg.max_total_tokens or self._default_kv_tokens(dtype)

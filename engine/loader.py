@@ -3,6 +3,14 @@
 Official tensor names are mapped onto our packed/stacked parameters: gate_proj|up_proj -> one [2I, H]
 matrix, the experts of a layer -> [E, 2I, H] and [E, H, I]. Every tensor is checked: a missing, unexpected or
 mis-shaped one is an error that names it.
+
+FP8 (kernels/fp8.py): with quantization="fp8" the model is built with e4m3 weights and float32 block scales
+(`<param>_scale`) for attention qkv/o, dense MLPs, routed and shared experts; bf16/fp32 tensors of those are
+quantised one by one as they are read (128x128 blocks; never a full-precision copy of the model). A
+checkpoint whose config.json carries a DeepSeek-style `quantization_config` (quant_method fp8, e4m3, dynamic
+activations, 128x128 blocks) is loaded as FP8 whatever `quantization` says: its e4m3 tensors are copied as
+they are and each `<name>_scale_inv` [ceil(N/128), ceil(K/128)] (the dequantising multiplier) goes to the
+matching block rows of the scale buffer; a quantisable tensor stored in full precision there is quantised.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from tqdm.auto import tqdm
 
 from redraft.engine.config import ModelConfig
 from redraft.engine.model import LLaDA2Model
+from redraft.kernels import fp8 as fp8q
 
 log = logging.getLogger("redraft.loader")
 
@@ -50,8 +59,10 @@ class Target:
     index: tuple = ()  # e.g. (expert,) or (slice(0, I),) or (expert, slice(I, 2I))
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, Target]:
-    """Official name -> target, for every tensor a checkpoint of this config must contain."""
+def expected_tensors(cfg: ModelConfig, fp8_checkpoint: bool = False) -> dict[str, Target]:
+    """Official name -> target, for every tensor a checkpoint of this config must contain; with fp8_checkpoint
+    also the `<name>_scale_inv` block scales an FP8 checkpoint may hold beside each quantisable weight
+    (required for the weights stored in e4m3; see load_weights)."""
     h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     t: dict[str, Target] = {"model.word_embeddings.weight": Target("embed.weight", (v, h))}
@@ -85,7 +96,35 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Target]:
     t["model.norm.weight"] = Target("norm.weight", (h,))
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = Target("lm_head.weight", (v, h))
+    if fp8_checkpoint:
+        for name, target in list(t.items()):
+            try:
+                seg = fp8q.fp8_segment_rows(cfg, target.param)
+            except KeyError:
+                continue  # not quantised (embeddings, lm_head, norms, router, biases)
+            n, k = target.shape
+            t[name + SCALE_SUFFIX] = Target(fp8q.scale_name(target.param), (fp8q.cdiv(n, fp8q.BLOCK),
+                                                                             fp8q.cdiv(k, fp8q.BLOCK)),
+                                            fp8q.scale_index(target.index, seg))
     return t
+
+
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3's name for the dequantising block scale beside an e4m3 weight
+
+
+def checkpoint_quantization(cfg: ModelConfig) -> str | None:
+    """'fp8' when config.json declares a DeepSeek-style block-FP8 checkpoint, else None (ValueError for a
+    quantization_config redraft cannot read)."""
+    return fp8q.check_quantization_config(cfg.extra.get("quantization_config"))
+
+
+def resolve_quantization(cfg: ModelConfig, quantization: str | None) -> str | None:
+    """The quantization the model is built with: the requested one, or the checkpoint's own."""
+    if quantization in (None, "none"):
+        quantization = None
+    elif quantization != "fp8":
+        raise ValueError(f"unknown quantization {quantization!r}: choose fp8 (or none)")
+    return "fp8" if checkpoint_quantization(cfg) == "fp8" else quantization
 
 
 def _swiglu_targets(t: dict[str, Target], src: str, dst: str, h: int, inter: int) -> None:
@@ -109,13 +148,17 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> LLaDA2Model:
-    """Allocate (uninitialised) parameters directly in `dtype` on `device`: no random init, no second copy."""
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                quantization: str | None = None) -> LLaDA2Model:
+    """Allocate (uninitialised) parameters directly in `dtype` on `device`: no random init, no second copy.
+    quantization="fp8": the quantisable weights are e4m3 with float32 block scales instead."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = LLaDA2Model(cfg)
+            if quantization == "fp8":
+                fp8q.convert_model_fp8(model)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -127,11 +170,13 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
 
 def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = True) -> None:
     model_dir = Path(model_dir)
-    targets = expected_tensors(model.cfg)
+    targets = expected_tensors(model.cfg, fp8_checkpoint=checkpoint_quantization(model.cfg) == "fp8")
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     seen: set[str] = set()
+    stored_fp8: set[str] = set()  # weights read as e4m3: their `_scale_inv` must come too
+    quantized: set[str] = set()  # weights quantised here: a `_scale_inv` for them would be stale
     files = checkpoint_files(model_dir)
-    total = len(targets)
+    total = sum(not n.endswith(SCALE_SUFFIX) for n in targets)
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -148,11 +193,25 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
                     )
                 dest = params[target.param].data
                 view = dest[target.index] if target.index else dest
-                view.copy_(tensor.to(device=view.device, dtype=view.dtype))
+                if tensor.dtype == fp8q.FP8_DTYPE and view.dtype != fp8q.FP8_DTYPE:
+                    raise CheckpointError(f"tensor {name!r} is float8 but {target.param} is not a quantised weight")
+                if view.dtype == fp8q.FP8_DTYPE and tensor.dtype != fp8q.FP8_DTYPE:
+                    fp8q.quantize_into(model, target.param, tensor, target.index)  # bf16/fp32 -> e4m3 + scales
+                    quantized.add(name)
+                else:
+                    view.copy_(tensor.to(device=view.device, dtype=view.dtype))
+                    if tensor.dtype == fp8q.FP8_DTYPE:
+                        stored_fp8.add(name)
                 seen.add(name)
-                bar.update(1)
+                if not name.endswith(SCALE_SUFFIX):
+                    bar.update(1)
     bar.close()
-    missing = [n for n in targets if n not in seen]
+    scales = {n[: -len(SCALE_SUFFIX)] for n in seen if n.endswith(SCALE_SUFFIX)}
+    if stale := sorted(scales & quantized):
+        raise CheckpointError(f"{stale[0]!r} is stored in full precision but has a {SCALE_SUFFIX} tensor")
+    if unscaled := sorted(stored_fp8 - scales):
+        raise CheckpointError(f"float8 tensor {unscaled[0]!r} has no {unscaled[0]}{SCALE_SUFFIX} beside it")
+    missing = [n for n in targets if n not in seen and not n.endswith(SCALE_SUFFIX)]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {model_dir} lacks tensor(s): {', '.join(missing[:5])}{more}")
@@ -165,6 +224,8 @@ def init_dummy_weights(model: LLaDA2Model, seed: int = 0) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
+        elif p.dtype == fp8q.FP8_DTYPE:  # e4m3 weights: quantise full-precision random ones
+            fp8q.quantize_into(model, name, torch.randn(p.shape, generator=gen) * 0.02)
         else:
             p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
     for layer in model.layers:
@@ -181,9 +242,13 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LLaDA2Model:
     torch_dtype = resolve_dtype(dtype)
-    model = build_model(cfg, torch_dtype, device)
+    quantization = resolve_quantization(cfg, quantization)
+    if quantization and torch_dtype == torch.float64:
+        raise ValueError("quantization='fp8' needs a float32, float16 or bfloat16 model dtype")
+    model = build_model(cfg, torch_dtype, device, quantization)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format in ("auto", "safetensors"):

@@ -101,8 +101,25 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
         self.shared = DenseMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
         self.experts: Callable[..., torch.Tensor] = moe_experts_torch  # see LLaDA2Model.set_moe_experts
+        # The whole layer (routing, experts, shared expert) as fn(moe, x) when set, chosen by set_kernel_backend:
+        # the fused Triton MoE for "triton" (kernels/moe_triton.py), the W8A8 twin for e4m3 weights on "torch".
+        self.impl: Callable[["MoE", torch.Tensor], torch.Tensor] | None = None
+
+    def set_kernel_backend(self, backend: str) -> None:
+        if backend == "triton":
+            from redraft.kernels.moe_triton import moe_forward_triton  # imports triton lazily
+
+            self.impl = moe_forward_triton
+        elif self.w13.dtype == torch.float8_e4m3fn:
+            from redraft.kernels.fp8 import moe_forward_fp8_torch
+
+            self.impl = moe_forward_fp8_torch
+        else:
+            self.impl = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl is not None:
+            return self.impl(self, x)
         c = self.cfg
         topk_ids, topk_w = route_torch(
             x, self.router, self.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
@@ -139,6 +156,7 @@ class LLaDA2Model(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.attend: AttentionFn = paged_attention_torch
         self.kernel_backend = "torch"
+        self.quantization: str | None = None  # "fp8": e4m3 weights (kernels/fp8.py convert_model_fp8)
 
     def forward(
         self,
@@ -165,9 +183,14 @@ class LLaDA2Model(nn.Module):
         else:
             raise ValueError(f"unknown kernel backend {backend!r} (choose torch or triton)")
         self.kernel_backend = backend
+        for module in self.modules():  # MoE layers and FP8 linears pick their implementation too
+            if module is not self and hasattr(module, "set_kernel_backend"):
+                module.set_kernel_backend(backend)
 
     def set_moe_experts(self, fn: Callable[..., torch.Tensor]) -> None:
-        """Swap the routed-experts function of every MoE layer (signature of `moe_experts_torch`)."""
+        """Swap the routed-experts function of every MoE layer (signature of `moe_experts_torch`; model-dtype
+        weights): the torch router and shared expert run around it, replacing any whole-layer `MoE.impl`."""
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.experts = fn
+                layer.mlp.impl = None

@@ -14,7 +14,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"])
-    p.add_argument("--quantization", default=None, choices=["fp8"])
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: e4m3 weights with a float32 scale per 128x128 block, quantised at load (FP8 checkpoints "
+                        "with a DeepSeek-style quantization_config load as FP8 without it); lm_head stays in --dtype")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
