@@ -135,7 +135,7 @@ def trainer(tmp_path_factory):
 
     run = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(run_dir=str(run), seed=0, steps=20, batch_size=12, lr=3e-3, warmup_steps=1,
-                      vocab_size=400, model=dict(SMALL_MODEL), mtf_start=0, p_mtf=0.5, eval_every=0)
+                      vocab_size=700, model=dict(SMALL_MODEL), mtf_start=0, p_mtf=0.5, eval_every=0)
     return Trainer(cfg)
 
 
@@ -199,6 +199,21 @@ def test_dual_copy_forward_matches_block_causal_inference(trainer) -> None:
         want = torch.cat(want)
     assert s == b.num_blocks * BLOCK_SIZE
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_number_tokens_start_with_shared_digit_features(trainer) -> None:
+    from redraft.training.train import init_number_embeddings
+
+    tok, model = trainer.tok, trainer.model
+    ids = {t: tok.token_to_id(t) for t in ("42", "Ġ42", "43", "Ġ7")}
+    assert all(i is not None for i in ids.values())
+    init_number_embeddings(model, tok, seed=0)
+    e = model.embed.weight.detach()
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(e[ids["42"]], e[ids["Ġ42"]], dim=0) > 0.6  # same digits, with and without the space
+    assert cos(e[ids["42"]], e[ids["43"]], dim=0) > 0.3  # same tens digit
+    assert abs(cos(e[ids["42"]], e[ids["Ġ7"]], dim=0)) < 0.3
+    torch.testing.assert_close(model.lm_head.weight[ids["42"]], e[ids["42"]])
 
 
 def test_training_steps_decrease_the_loss_on_a_fixed_batch(trainer) -> None:

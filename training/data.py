@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from tokenizers import Regex, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from redraft.engine.config import BLOCK_SIZE
@@ -39,7 +40,7 @@ def tokenizer_corpus(seed: int = 0, n: int = 30_000, number_repeats: int = 300) 
 
     Reverse words and animal names are left out on purpose: they are copied letter by letter, so they should
     stay in small pieces (a held-out animal is then made of the same pieces as the trained ones, instead of
-    being one never-trained token). Every number 0..199 (answers, no space) and 0..99 (operands, after a
+    being one never-trained token). Every number 0..198 (answers, no space) and 0..99 (operands, after a
     space) becomes one token thanks to the repeated number lists.
     """
     rng = random.Random(seed)
@@ -55,14 +56,27 @@ def tokenizer_corpus(seed: int = 0, n: int = 30_000, number_repeats: int = 300) 
             answer = " ".join(t.format(x="") for t in CHAT_TEMPLATES)
         out.append(prompt + answer + "<|endoftext|>")
     for _ in range(number_repeats):
-        out.append(" ".join(str(k) for k in range(200)))  # " 7", " 42": operands and list items
-        out.append("\n".join(str(k) for k in range(200)))  # "42", "-" "42", "197": answers
+        out.append(" ".join(str(k) for k in range(100)))  # " 7", " 42": operands and list items
+        out.append("\n".join(str(k) for k in range(199)))  # "42", "-" "42", "197": answers
     return out
 
 
-def build_demo_tokenizer(vocab_size: int = DEMO_VOCAB_SIZE, seed: int = 0) -> _HFTokenizer:
-    """Byte-level BPE with LLaDA2's special tokens, trained on task text (deterministic)."""
-    return build_bpe_tokenizer(tokenizer_corpus(seed), vocab_size, LLADA2_SPECIAL_TOKENS)
+def build_demo_tokenizer(vocab_size: int = DEMO_VOCAB_SIZE, seed: int = 0, digits: bool = False) -> _HFTokenizer:
+    """Byte-level BPE with LLaDA2's special tokens, trained on task text (deterministic).
+
+    digits=True: numbers are split into single digits (the leading space stays with the first one: ` 47` ->
+    `Ġ4` `7`), so that arithmetic works digit by digit, as in LLaMA-style tokenizers.
+    """
+    if not digits:
+        return build_bpe_tokenizer(tokenizer_corpus(seed), vocab_size, LLADA2_SPECIAL_TOKENS)
+    tok = build_bpe_tokenizer(tokenizer_corpus(seed, number_repeats=0), vocab_size, LLADA2_SPECIAL_TOKENS)
+    # Merges are learned with the plain byte-level split; isolating digits first means no merge ever joins two
+    # digits (the few multi-digit merges learned stay unused), while ` 4` (space + digit) still merges.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r" ?\d"), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    return tok
 
 
 # ----- sequences ---------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ import logging
 import math
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from redraft.engine.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, load_def
 from redraft.kernels.moe import route_torch
 from redraft.training.data import (DEMO_VOCAB_SIZE, Bucket, add_noise, build_demo_tokenizer, dual_copy_mask,
                                    dual_copy_positions, encode_example, make_buckets)
-from redraft.training.tasks import FAMILIES, TaskGenerator, eval_set, is_correct, render_prompt
+from redraft.training.tasks import FAMILIES, TaskGenerator
 
 log = logging.getLogger("redraft.train")
 
@@ -93,7 +95,10 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.98)
     curriculum_steps: int = 8_000  # the problem size grows to full over this many steps
     family_weights: dict[str, float] = field(default_factory=lambda: {
-        "math": 1.3, "reverse": 1.0, "sort": 1.0, "code": 0.8, "chat": 0.9})
+        "math": 1.6, "reverse": 1.0, "sort": 1.0, "code": 0.7, "chat": 0.9})
+    digit_numbers: bool = False  # tokenize numbers digit by digit (data.build_demo_tokenizer)
+    number_init: bool = True  # digit-structured initial embeddings for number tokens (init_number_embeddings)
+    adaptive_mix: bool = True  # after each evaluation, sample families in proportion to their error
     invented_animals: float = 0.3  # share of chat problems about invented names (copying practice)
     eos_tail_weight: float = 1.0
     p_edit: float = 0.5  # share of sequences that also get the editing (T2T) noise
@@ -173,6 +178,33 @@ def init_model(cfg: ModelConfig, seed: int) -> LLaDA2Model:
     return model
 
 
+def init_number_embeddings(model: LLaDA2Model, tok: Tokenizer, seed: int) -> int:
+    """Give every number token (`7`, `42`, `197`, ` 42`, ...) an embedding and an output row built from
+    shared digit features: one random vector per (place, digit) for hundreds, tens and units (with a
+    "no digit" value), plus one for the leading space. `42` and ` 42` and `142` then start out related the
+    way their digits are, in the input and in the output alike, instead of as unrelated symbols: the model
+    does not have to discover place value before it can add, subtract or sort. It is only an initialisation
+    (the rows train freely afterwards). Returns how many tokens it set."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    h = model.cfg.hidden_size
+    digit = torch.randn(3, 11, h, generator=gen) * 0.02  # [place, 0..9 | none, H]
+    space = torch.randn(h, generator=gen) * 0.02
+    n = 0
+    with torch.no_grad():
+        for i in range(tok.vocab_size):
+            text = tok.decode([i], skip_special_tokens=False)
+            body = text[1:] if text.startswith(" ") else text
+            if not body.isdigit() or len(body) > 3 or (len(body) > 1 and body[0] == "0"):
+                continue
+            padded = [10] * (3 - len(body)) + [int(c) for c in body]
+            row = sum(digit[p, d] for p, d in enumerate(padded)) + (space if text.startswith(" ") else 0)
+            row = row / 2.0  # keep the per-dimension scale of the other rows (std 0.02)
+            model.embed.weight[i] = row
+            model.lm_head.weight[i] = row
+            n += 1
+    return n
+
+
 def forward_logits(model: LLaDA2Model, inputs: list[tuple[Bucket, torch.Tensor]], rows: list[torch.Tensor]
                    ) -> torch.Tensor:
     """One forward over the dual-copy layout of several buckets; logits at the requested noisy positions.
@@ -243,6 +275,8 @@ class Trainer:
         self.tok = self._tokenizer()
         self.cfg = model_config(tcfg, self.tok)
         self.model = init_model(self.cfg, tcfg.seed)
+        if tcfg.number_init and not tcfg.digit_numbers:
+            init_number_embeddings(self.model, self.tok, tcfg.seed)
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
@@ -255,11 +289,12 @@ class Trainer:
         self.noise_vocab = torch.tensor(
             [i for i in range(self.tok.vocab_size) if i not in specials] + [self.tok.eos_token_id])
         self.step = 0
+        self.stop_requested = False  # set by SIGTERM/SIGINT: finish the step, save, return
 
     def _tokenizer(self) -> Tokenizer:
         tdir = self.run / "tokenizer"
         if not (tdir / "tokenizer.json").is_file():
-            hf = build_demo_tokenizer(self.tcfg.vocab_size, self.tcfg.seed)
+            hf = build_demo_tokenizer(self.tcfg.vocab_size, self.tcfg.seed, digits=self.tcfg.digit_numbers)
             save_pretrained_tokenizer(hf, tdir, load_default_chat_template(),
                                       model_max_length=self.tcfg.model["max_position_embeddings"])
         return Tokenizer.from_pretrained(tdir)
@@ -371,6 +406,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "opt": self.opt.state_dict(),
             "gen": self.gen.state(),
+            "mix": list(self.gen.weights),
             "rng": self.rng.getstate(),
             "torch_gen": self.torch_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -389,6 +425,8 @@ class Trainer:
         self.opt.load_state_dict(state["opt"])
         self.step = state["step"]
         self.gen.set_state(state["gen"])
+        if "mix" in state and len(state["mix"]) == len(self.gen.families):
+            self.gen.weights = list(state["mix"])
         self.rng.setstate(state["rng"])
         self.torch_gen.set_state(state["torch_gen"])
         torch.set_rng_state(state["torch_rng"])
@@ -409,32 +447,19 @@ class Trainer:
 
     # -- evaluation through the real engine --
     def evaluate(self, per_family: int, modes: tuple[str, ...] = ("Q", "S")) -> dict[str, Any]:
-        """Export the current weights and decode held-out problems with `redraft.Engine` (exact serving path)."""
-        from redraft.engine.engine import Engine
+        """Export the current weights and decode held-out problems with `redraft.Engine`, in a subprocess
+        (training/evaluate.py) so that it runs the engine code as it is now, whatever this process imported."""
         from redraft.training.export import export_model
 
         out_dir = self.run / "eval_model"
-        export_model(self.model, self.tok, out_dir)
-        exs = eval_set(self.tcfg.seed + 1000, per_family)
-        engine = Engine(str(out_dir), max_total_tokens=32 * 1024, progress=False)
-        try:
-            prompts = [engine.tokenizer.encode(render_prompt(ex, engine.tokenizer)) for ex in exs]
-            result: dict[str, Any] = {}
-            for mode in modes:
-                outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 64, "mode": mode})
-                acc = {f: [] for f in FAMILIES}
-                tokens = forwards = 0
-                for ex, o in zip(exs, outs):
-                    acc[ex.family].append(is_correct(ex, o["text"]))
-                    tokens += o["meta_info"]["completion_tokens"]
-                    forwards += o["meta_info"]["steps"]
-                result[mode] = {f: sum(v) / len(v) for f, v in acc.items() if v}
-                result[mode]["all"] = sum(sum(v) for v in acc.values()) / len(exs)
-                result[mode]["tpf"] = tokens / max(1, forwards)
-            result["samples"] = [(ex.user, o["text"]) for ex, o in list(zip(exs, outs))[:: per_family]]
-            return result
-        finally:
-            engine.shutdown()
+        export_model(self.model, self.tok, out_dir, metadata={"redraft_train_step": self.step})
+        cmd = [sys.executable, "-m", "redraft.training.evaluate", "--model", str(out_dir), "--per-family",
+               str(per_family), "--seed", str(self.tcfg.seed + 1000), "--modes", *modes]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.tcfg.threads))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"evaluation exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
 
     # -- the loop --
     def fit(self, progress: bool = True) -> None:
@@ -442,15 +467,17 @@ class Trainer:
         bar = tqdm(total=c.steps, initial=self.step, desc="train-demo", unit="step", disable=not progress,
                    dynamic_ncols=True)
         window: list[dict[str, float]] = []
-        t0, s0 = time.time(), self.step
-        while self.step < c.steps:
+        t_last = time.time()
+        while self.step < c.steps and not self.stop_requested:
             stats = self.train_step(self.make_batch(c.batch_size))
             window.append(stats)
             bar.update(1)
             if self.step % c.log_every == 0:
                 keys = sorted({k for w in window for k in w})
                 avg = {k: sum(w[k] for w in window if k in w) / sum(k in w for w in window) for k in keys}
-                rate = (self.step - s0) / max(1e-9, time.time() - t0)
+                now = time.time()
+                rate = len(window) / max(1e-9, now - t_last)  # over this logging window (evals included)
+                t_last = now
                 rec = {"step": self.step, **{k: round(v, 5) for k, v in avg.items()}, "steps_per_s": round(rate, 3),
                        "time": round(time.time(), 1)}
                 self.log(rec)
@@ -465,6 +492,15 @@ class Trainer:
             if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
                 self._logged_eval()
         bar.close()
+        if self.stop_requested:
+            log.info("stopping at step %d (signal): checkpoint saved", self.step)
+            self.save()
+
+    def rebalance(self, accuracy: dict[str, float]) -> None:
+        """Adaptive family mix: each family's base weight times (0.25 + its held-out error), so steps go where
+        the model is still wrong, and a solved family keeps a quarter of its share (not to forget it)."""
+        base = self.tcfg.family_weights
+        self.gen.weights = [base[f] * (0.25 + (1.0 - accuracy.get(f, 0.0))) for f in self.gen.families]
 
     def _logged_eval(self) -> None:
         t = time.time()
@@ -474,8 +510,11 @@ class Trainer:
             log.exception("evaluation failed at step %d", self.step)
             self.log({"step": self.step, "eval_error": repr(exc)})
             return
-        samples = res.pop("samples")
-        self.log({"step": self.step, "eval": res, "eval_seconds": round(time.time() - t, 1)})
+        samples = res.pop("samples", [])
+        if self.tcfg.adaptive_mix and "Q" in res:
+            self.rebalance(res["Q"])
+        self.log({"step": self.step, "eval": res, "eval_seconds": round(time.time() - t, 1),
+                  "mix": dict(zip(self.gen.families, [round(w, 3) for w in self.gen.weights]))})
         for mode, r in res.items():
             log.info("eval step %d mode %s: %s", self.step, mode, " ".join(f"{k} {v:.3f}" for k, v in r.items()))
         for user, text in samples:
@@ -540,12 +579,16 @@ def train_main(argv: list[str] | None = None) -> int:
              "resumed" if resumed else "starting", trainer.step, tcfg.steps, n_params / 1e6, n_params * 4 / 1e6,
              trainer.cfg.vocab_size, run)
     progress = not args.no_progress and sys.stderr.isatty()
-    try:
-        trainer.fit(progress=progress)
-    except KeyboardInterrupt:
-        log.info("interrupted at step %d: saving", trainer.step)
-        trainer.save()
-        return 130
+
+    def request_stop(signum, frame) -> None:
+        trainer.stop_requested = True
+
+    # `kill PID` (or Ctrl-C) ends the current step, saves a checkpoint and exits: nothing is lost.
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    trainer.fit(progress=progress)
+    if trainer.stop_requested:
+        return 0
     log.info("done: %d steps; export with `python -m redraft.training.export --run-dir %s --out DIR`",
              trainer.step, run)
     return 0
