@@ -14,10 +14,11 @@ length. Batches that are not plain denoising steps (prefill chunks, a stale bloc
 windows, more than the largest bucket) run eagerly.
 
 Capture needs a forward without device->host syncs. The reference MoE (`moe_experts_torch`) loops over the
-experts a batch touches on the host, so on CUDA the engine uses `moe_experts_static` for every forward, eager
-and captured alike (replay is then the same function as eager): tokens sorted by expert and one grouped GEMM
-per projection (`torch._grouped_mm`, bf16 on Hopper), or, where that is unavailable, a dense
-all-experts product with zero weights for unselected experts (exact, but E/k times the FLOPs).
+experts a batch touches on the host, so with kernel_backend="triton" the engine runs the fused Triton MoE
+(`kernels/moe_triton.py`), which never waits on the host, for every forward, eager and captured alike.
+`moe_experts_static` below is the sync-free torch alternative (tokens sorted by expert, one grouped GEMM per
+projection via `torch._grouped_mm`, or a dense all-experts product where that op is missing), kept for
+comparisons.
 """
 
 from __future__ import annotations
