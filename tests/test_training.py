@@ -11,7 +11,7 @@ import torch
 from redraft.engine.config import BLOCK_SIZE
 from redraft.kernels.attention import block_causal_visible
 from redraft.training import tasks
-from redraft.training.data import (Bucket, add_noise, dual_copy_mask, dual_copy_positions, encode_example,
+from redraft.training.data import (add_noise, dual_copy_mask, dual_copy_positions, encode_example,
                                    make_buckets)
 from redraft.training.tasks import FAMILIES, TaskGenerator, eval_set, sample, split_of
 

@@ -101,6 +101,7 @@ def export_model(model: LLaDA2Model, tok: Tokenizer, out_dir: str | Path, dtype:
     tensors = official_state_dict(model, _DTYPES[dtype])
     meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
     save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+    (out / "model.safetensors").chmod(0o644)  # package data: readable like the other files
     save_pretrained_tokenizer(tok.backend, out, tok.chat_template,
                               model_max_length=model.cfg.max_position_embeddings)
     (out / "config.json").write_text(json.dumps(config_json(model.cfg, tok, dtype), indent=2) + "\n")
@@ -114,7 +115,7 @@ def export_model(model: LLaDA2Model, tok: Tokenizer, out_dir: str | Path, dtype:
 
 def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
     """Export the latest checkpoint of a training run folder."""
-    from redraft.training.train import TrainConfig, Trainer
+    from redraft.training.train import TrainConfig, init_model, model_config
 
     run = Path(run_dir)
     if not (run / "ckpt.pt").is_file():
@@ -123,8 +124,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "float32")
     tcfg.run_dir = str(run)
     state = torch.load(run / "ckpt.pt", map_location="cpu", weights_only=False)
     tok = Tokenizer.from_pretrained(run / "tokenizer")
-    from redraft.training.train import init_model, model_config
-
     model = init_model(model_config(tcfg, tok), tcfg.seed)
     model.load_state_dict(state["model"])
     return export_model(model, tok, out_dir, dtype, metadata={"redraft_train_step": state["step"]})
