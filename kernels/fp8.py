@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from redraft.kernels.moe import compute_dtype, route_torch
+from redraft.kernels.moe import combine_experts_torch, compute_dtype, route_torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from redraft.engine.model import LLaDA2Model, MoE
@@ -139,23 +139,10 @@ def moe_experts_fp8_torch(
     topk_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, H] in x.dtype
     """`moe_experts_torch` with W8A8 experts: the same per-token accumulation (fp32, ascending expert order)."""
-    t, k = topk_ids.shape
-    acc_dtype = compute_dtype(x.dtype)
-    out = torch.zeros(t, x.shape[1], dtype=acc_dtype, device=x.device)
-    flat_ids = topk_ids.flatten()
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    flat_w = topk_weights.flatten()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        slots = order[start : start + count]
-        start += count
-        tokens = slots // k
-        y = swiglu_fp8_torch(x[tokens], w13[expert], w13_scale[expert], w2[expert], w2_scale[expert])
-        out.index_add_(0, tokens, y.to(acc_dtype) * flat_w[slots, None].to(acc_dtype))
-    return out.to(x.dtype)
+    return combine_experts_torch(
+        x, topk_ids, topk_weights, w13.shape[0],
+        lambda e, xs: swiglu_fp8_torch(xs, w13[e], w13_scale[e], w2[e], w2_scale[e]),
+    )
 
 
 # ---- modules ------------------------------------------------------------------------------------------

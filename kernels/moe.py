@@ -59,12 +59,28 @@ def moe_experts_torch(
     Accumulates in at least fp32, in ascending expert order for every token: a token's result never
     depends on which other tokens share the batch.
     """
+    return combine_experts_torch(x, topk_ids, topk_weights, w13.shape[0],
+                                 lambda e, xs: swiglu(xs, w13[e], w2[e]))
+
+
+def combine_experts_torch(
+    x: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, k]
+    topk_weights: torch.Tensor,  # [T, k]
+    num_experts: int,
+    expert_fn,  # (expert, x_rows [n, H]) -> [n, H]
+) -> torch.Tensor:  # [T, H] in x.dtype
+    """Dispatch each token to its k experts and sum weight * expert_fn(e, x), one call per touched expert.
+
+    Accumulates in at least fp32, in ascending expert order for every token: a token's result never depends
+    on which other tokens share the batch. Shared by every torch MoE twin (bf16/fp32 and FP8 weights).
+    """
     t, k = topk_ids.shape
     acc_dtype = compute_dtype(x.dtype)
     out = torch.zeros(t, x.shape[1], dtype=acc_dtype, device=x.device)
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)  # slots grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     flat_w = topk_weights.flatten()
     start = 0
     for expert, count in enumerate(counts):
@@ -73,6 +89,6 @@ def moe_experts_torch(
         slots = order[start : start + count]
         start += count
         tokens = slots // k
-        y = swiglu(x[tokens], w13[expert], w2[expert])  # [count, H]
+        y = expert_fn(expert, x[tokens])  # [count, H]
         out.index_add_(0, tokens, y.to(acc_dtype) * flat_w[slots, None].to(acc_dtype))
     return out.to(x.dtype)
