@@ -56,6 +56,8 @@ class EngineConfig:
     # batch-size buckets up to this size (capped by max_running_requests); larger batches run eagerly.
     cuda_graph_max_bs: int = 64
     disable_cuda_graph: bool = False
+    # Record every T2T edit (position, old id, new id) in meta_info["edit_trace"] (evaluation of editing).
+    trace_edits: bool = False
 
 
 class Engine:
@@ -192,6 +194,7 @@ class Engine:
         req = Request(
             rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=params.resolved(self.config.default_mode),
             mask_id=self.tokenizer.mask_token_id, eos_id=self.tokenizer.eos_token_id,
+            edit_trace=[] if self.config.trace_edits else None,
         )
         return req
 
@@ -259,7 +262,7 @@ def request_meta(req: Request) -> dict:
         "blocks": req.stats.blocks,
         "mode": req.params.mode,
         "domain": req.params.params.domain,
-    } | logprob_meta(req)
+    } | logprob_meta(req) | ({"edit_trace": [list(e) for e in req.edit_trace]} if req.edit_trace is not None else {})
 
 
 def logprob_meta(req: Request) -> dict:

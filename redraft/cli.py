@@ -127,10 +127,29 @@ def build_parser() -> argparse.ArgumentParser:
                                        "See `python -m redraft.clients.bench --help` for the details.")
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    # The demo-model commands keep their own parsers (training/); main() hands them the rest of the line.
+    sub.add_parser("train-demo", add_help=False,
+                   help="train (or resume) the bundled demo model on CPU; `redraft train-demo --help`")
+    sub.add_parser("eval-demo", add_help=False,
+                   help="held-out accuracy, tokens/forward and edits of the demo model; `redraft eval-demo --help`")
     return parser
 
 
+def _demo_command(name: str, rest: list[str]) -> int:
+    if name == "train-demo":
+        from redraft.training.train import train_main
+
+        return train_main(rest)
+    from redraft.training.evaluate import main as eval_main
+
+    return eval_main(rest, default_format="table", prog="redraft eval-demo")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("train-demo", "eval-demo"):
+        return _demo_command(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),

@@ -82,6 +82,10 @@ class Request:
     # kept only when the request asked for them.
     block_logprobs: tuple[list[float], list] | None = None
     final_logprobs: dict[int, tuple[list[float], list]] = field(default_factory=dict)
+    # Every T2T edit as (completion position, old id, new id), kept only when asked (the demo model's
+    # evaluation counts which edits repaired a wrong token); entries of a preempted block are dropped.
+    edit_trace: list[tuple[int, int, int]] | None = None
+    block_start_trace_len: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -133,6 +137,8 @@ class Request:
         official loop is deterministic from a block's start, so the outcome is unchanged)."""
         self.status = Status.WAITING
         self.stats = replace(self.block_start_stats)
+        if self.edit_trace is not None:
+            del self.edit_trace[self.block_start_trace_len :]
         self.tokens = self.tokens[: max(self.final_blocks * self.block_size, self.prompt_len)]
         self.active_block = -1
         self.block_logprobs = None
@@ -147,6 +153,7 @@ class Request:
     def _begin_block(self, b: int) -> None:
         self.active_block = b
         self.block_start_stats = replace(self.stats)
+        self.block_start_trace_len = len(self.edit_trace) if self.edit_trace is not None else 0
         self.post = 0
         end = (b + 1) * self.block_size
         self.tokens = self.tokens[: max(b * self.block_size, self.prompt_len)]
@@ -176,7 +183,12 @@ class Request:
         self.stats.m2t += m2t
         self.stats.edits += t2t
         self.cached_blocks = self.active_block  # everything before the active block is exact now
-        self.tokens[self.block_slice(self.active_block)] = new_block
+        block = self.block_slice(self.active_block)
+        if self.edit_trace is not None:
+            for i, (old, new) in enumerate(zip(self.tokens[block], new_block)):
+                if old != self.mask_id and old != new:
+                    self.edit_trace.append((block.start + i - self.prompt_len, old, new))
+        self.tokens[block] = new_block
         if not had_mask and t2t == 0:
             self.cached_blocks = self.active_block + 1  # the forward saw the final tokens
             return True

@@ -216,6 +216,46 @@ def test_number_tokens_start_with_shared_digit_features(trainer) -> None:
     torch.testing.assert_close(model.lm_head.weight[ids["42"]], e[ids["42"]])
 
 
+def test_fourier_number_rows_score_the_sum_highest(trainer) -> None:
+    """With Fourier features, the value parts of the number rows score each other highest on the diagonal, and
+    the features of a + b (or |a - b|) score highest at the right answer: the circuit the init makes easy."""
+    from redraft.training.train import fourier_features, init_number_embeddings
+
+    tok, model = trainer.tok, trainer.model
+    values = [n for n in range(199) if tok.token_to_id(str(n)) is not None]  # the test tokenizer is smaller
+    assert len(values) > 100
+    answers = [tok.token_to_id(str(n)) for n in values]
+    init_number_embeddings(model, tok, seed=0, features="digits")
+    digits = model.lm_head.weight.detach()[answers].clone()  # [199, H]
+    init_number_embeddings(model, tok, seed=0, features="fourier")
+    fourier = model.lm_head.weight.detach()[answers] - digits / 2  # [199, H]: the value part of each row
+    scores = fourier @ fourier.T  # [outputs, values]
+    assert (scores.argmax(0) == torch.arange(len(values))).all()
+    torch.testing.assert_close(model.embed.weight[answers], model.lm_head.weight[answers])
+    feats = torch.stack([fourier_features(n) for n in range(199)])  # [199, 2K]
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = rng.randrange(100), rng.randrange(100)
+        target = fourier_features(a + b)
+        assert int((feats @ target).argmax()) == a + b
+        assert int((feats @ fourier_features(abs(a - b))).argmax()) == abs(a - b)
+
+
+def test_edit_classification() -> None:
+    from redraft.training.evaluate import classify_edits
+
+    eos = 0
+    refs = [[5, 6, 7, eos, eos], [5, 9, 7, eos, eos]]  # two correct answers (as chat has)
+    out = [5, 6, 7, eos, eos]
+    trace = [[1, 8, 6],   # wrong -> right (against the closest reference, the first)
+             [2, 7, 3],   # right -> wrong
+             [2, 3, 7],   # wrong -> right again
+             [4, 4, 2],   # wrong -> another wrong (the EOS tail)
+             [9, 1, eos]]  # past the reference: the tail is EOS, so a repair
+    assert classify_edits(trace, out, refs) == (3, 1, 1)
+    assert classify_edits([], out, refs) == (0, 0, 0)
+
+
 def test_training_steps_decrease_the_loss_on_a_fixed_batch(trainer) -> None:
     torch.manual_seed(0)
     batch = trainer.make_batch(12)

@@ -1,11 +1,17 @@
-"""Quick held-out evaluation of an exported demo checkpoint through `redraft.Engine` (the serving path).
+"""Held-out evaluation of a demo checkpoint through `redraft.Engine` (the serving path): `redraft eval-demo`.
 
-    python -m redraft.training.evaluate --model runs/demo/eval_model --per-family 40 --modes Q S
+    redraft eval-demo                                   # the bundled model, 200 problems per family, 4 settings
+    python -m redraft.training.evaluate --model runs/demo/eval_model --per-family 40 --modes Q S   # JSON
 
-Prints one JSON object: per mode, exact-match accuracy per family and overall, tokens per forward, forwards
-and edits per request; plus a few sample answers. The trainer runs it in a subprocess, so an evaluation
-always imports the engine code as it is now (others edit it while a long training run goes on) and never
-disturbs the training process.
+Per setting (Q, S, and each with editing off: edit_threshold 1.0, so T2T never fires): exact-match accuracy
+per family and overall, tokens per forward (per family too), forwards and edits per request, and what the
+edits did: an edit *repairs* when it turns a token that differs from the reference answer into the reference
+token, *breaks* when it does the opposite, and is *neutral* otherwise (wrong to another wrong). The reference
+of an output is the correct answer closest to it (chat has three), token by token, EOS-padded.
+
+`python -m redraft.training.evaluate` prints one JSON object (the trainer's periodic evaluation reads it from
+a subprocess, so an evaluation always imports the engine code as it is now); `redraft eval-demo` a table,
+and `--plot` writes a PNG of accuracy against tokens per forward, one point per setting.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
-from redraft.training.tasks import FAMILIES, eval_set, is_correct, render_prompt
+from redraft.training.tasks import FAMILIES, Example, eval_set, is_correct, render_prompt
 
 MODE_PARAMS: dict[str, dict[str, Any]] = {
     "Q": {"mode": "Q"},
@@ -23,39 +30,47 @@ MODE_PARAMS: dict[str, dict[str, Any]] = {
     "S-noedit": {"mode": "S", "edit_threshold": 1.0},
     "Q-noedit": {"mode": "Q", "edit_threshold": 1.0},
 }
+ALL_MODES = ["Q", "S", "S-noedit", "Q-noedit"]
+
+
+def classify_edits(trace: list[list[int]], output_ids: list[int], references: list[list[int]]
+                   ) -> tuple[int, int, int]:
+    """(repairs, breaks, neutral) among the edits of one request, against the reference closest to the output."""
+    def agreement(ref: list[int]) -> int:
+        return sum(a == b for a, b in zip(output_ids, ref))
+
+    ref = max(references, key=agreement)
+    repairs = breaks = neutral = 0
+    for pos, old, new in trace:
+        want = ref[pos] if pos < len(ref) else ref[-1]
+        if old != want and new == want:
+            repairs += 1
+        elif old == want and new != want:
+            breaks += 1
+        else:
+            neutral += 1
+    return repairs, breaks, neutral
 
 
 def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000,
-             max_new_tokens: int = 64) -> dict[str, Any]:
+             max_new_tokens: int = 64, threads: int = 1) -> dict[str, Any]:
     import torch
 
     from redraft.engine.engine import Engine
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     exs = eval_set(seed, per_family)
-    engine = Engine(model_dir, device="cpu", dtype="float32", max_total_tokens=32 * 1024, progress=False)
+    engine = Engine(model_dir, device="cpu", dtype="float32", max_total_tokens=64 * 1024, progress=False,
+                    trace_edits=True)
     try:
-        prompts = [engine.tokenizer.encode(render_prompt(ex, engine.tokenizer)) for ex in exs]
+        tok = engine.tokenizer
+        prompts = [tok.encode(render_prompt(ex, tok)) for ex in exs]
+        refs = [[tok.encode(a) + [tok.eos_token_id] * (max_new_tokens + 1) for a in ex.answers] for ex in exs]
         result: dict[str, Any] = {}
         for mode in modes:
             params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **MODE_PARAMS[mode]}
             outs = engine.generate(input_ids=prompts, sampling_params=params)
-            right = {f: 0 for f in FAMILIES}
-            count = {f: 0 for f in FAMILIES}
-            tokens = forwards = edits = 0
-            for ex, o in zip(exs, outs):
-                count[ex.family] += 1
-                right[ex.family] += is_correct(ex, o["text"])
-                m = o["meta_info"]
-                tokens += m["completion_tokens"]
-                forwards += m["steps"]
-                edits += m.get("edits", 0)
-            r: dict[str, Any] = {f: right[f] / count[f] for f in FAMILIES if count[f]}
-            r["all"] = sum(right.values()) / len(exs)
-            r["tpf"] = tokens / max(1, forwards)
-            r["forwards_per_req"] = forwards / len(exs)
-            r["edits_per_req"] = edits / len(exs)
-            result[mode] = r
+            result[mode] = summarise(exs, outs, refs)
             if mode == modes[0]:
                 result["samples"] = [[ex.user, o["text"]] for ex, o in list(zip(exs, outs))[::per_family]]
         return result
@@ -63,14 +78,110 @@ def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000
         engine.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m redraft.training.evaluate")
-    p.add_argument("--model", required=True, help="an exported checkpoint directory")
-    p.add_argument("--per-family", type=int, default=40)
-    p.add_argument("--modes", nargs="+", default=["Q", "S"], choices=sorted(MODE_PARAMS))
-    p.add_argument("--seed", type=int, default=1000)
+def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]]) -> dict[str, Any]:
+    right = {f: 0 for f in FAMILIES}
+    count = {f: 0 for f in FAMILIES}
+    tokens = {f: 0 for f in FAMILIES}
+    forwards = {f: 0 for f in FAMILIES}
+    edits = repairs = breaks = neutral = 0
+    for ex, o, ref in zip(exs, outs, refs):
+        m = o["meta_info"]
+        count[ex.family] += 1
+        right[ex.family] += is_correct(ex, o["text"])
+        tokens[ex.family] += m["completion_tokens"]
+        forwards[ex.family] += m["steps"]
+        edits += m.get("edits", 0)
+        r, b, n = classify_edits(m.get("edit_trace", []), o["output_ids"], ref)
+        repairs, breaks, neutral = repairs + r, breaks + b, neutral + n
+    fams = [f for f in FAMILIES if count[f]]
+    out: dict[str, Any] = {f: right[f] / count[f] for f in fams}
+    out["all"] = sum(right.values()) / len(exs)
+    out["tpf"] = sum(tokens.values()) / max(1, sum(forwards.values()))
+    out["tpf_by_family"] = {f: tokens[f] / max(1, forwards[f]) for f in fams}
+    out["forwards_per_req"] = sum(forwards.values()) / len(exs)
+    out["edits_per_req"] = edits / len(exs)
+    out["edits"] = {"total": edits, "repairs": repairs, "breaks": breaks, "neutral": neutral}
+    return out
+
+
+# ----- presentation ------------------------------------------------------------------------------------
+def format_table(result: dict[str, Any], per_family: int) -> str:
+    modes = [m for m in result if m in MODE_PARAMS]
+    head = ["setting", *FAMILIES, "all", "tok/fwd", "fwd/req", "edits/req", "repairs", "breaks", "neutral"]
+    rows = []
+    for m in modes:
+        r = result[m]
+        e = r["edits"]
+        rows.append([m, *(f"{100 * r[f]:.1f}%" for f in FAMILIES), f"{100 * r['all']:.1f}%", f"{r['tpf']:.2f}",
+                     f"{r['forwards_per_req']:.2f}", f"{r['edits_per_req']:.2f}", str(e["repairs"]),
+                     str(e["breaks"]), str(e["neutral"])])
+    lines = [f"exact match on {per_family} held-out problems per family ({per_family * len(FAMILIES)} in all)",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    if "S" in result and "Q" in result:
+        ratio = " ".join(f"{f} {result['S']['tpf_by_family'][f] / result['Q']['tpf_by_family'][f]:.2f}x"
+                         for f in FAMILIES)
+        lines.append(f"\ntokens per forward, S / Q: all {result['S']['tpf'] / result['Q']['tpf']:.2f}x; {ratio}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path, title: str) -> bool:
+    """Accuracy against tokens per forward, one point per setting. False (and a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4.2), dpi=120)
+    for m in (m for m in result if m in MODE_PARAMS):
+        r = result[m]
+        ax.scatter(r["tpf"], 100 * r["all"], s=60, marker="o" if "noedit" not in m else "x")
+        ax.annotate(m, (r["tpf"], 100 * r["all"]), textcoords="offset points", xytext=(6, 4))
+    ax.set_xlabel("tokens per forward (higher = faster)")
+    ax.set_ylabel("exact match, all families (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None, default_format: str = "json", prog: str | None = None) -> int:
+    """`python -m redraft.training.evaluate` prints JSON (the trainer reads it); `redraft eval-demo` a table."""
+    p = argparse.ArgumentParser(prog=prog,
+                                description="Held-out exact match, tokens per forward and edits of a demo checkpoint "
+                                            "in Q, S and editing-off settings, through redraft.Engine.")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--per-family", type=int, default=200)
+    p.add_argument("--modes", nargs="+", default=ALL_MODES, choices=ALL_MODES)
+    p.add_argument("--seed", type=int, default=1000, help="seed of the held-out problem draw")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--format", choices=["table", "json"], default=default_format,
+                   help=f"a table, or one JSON object on one line (default {default_format})")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write accuracy vs tokens-per-forward here")
     args = p.parse_args(argv)
-    print(json.dumps(evaluate(args.model, args.per_family, args.modes, args.seed)))
+    model = args.model
+    if model is None:
+        from redraft.engine.defaults import BUNDLED_MODEL_DIR
+
+        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+            p.error(f"no bundled demo model in this install ({BUNDLED_MODEL_DIR}); pass --model DIR")
+        model = str(BUNDLED_MODEL_DIR)
+    result = evaluate(model, args.per_family, args.modes, args.seed, threads=args.threads)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.format == "json":
+        print(json.dumps(result))
+        return 0
+    print(format_table(result, args.per_family))
+    if args.plot and plot(result, Path(args.plot), f"{Path(model).name}: {args.per_family} problems per family"):
+        print(f"plot written to {args.plot}")
     return 0
 
 

@@ -97,7 +97,9 @@ class TrainConfig:
     family_weights: dict[str, float] = field(default_factory=lambda: {
         "math": 1.6, "reverse": 1.0, "sort": 1.0, "code": 0.7, "chat": 0.9})
     digit_numbers: bool = False  # tokenize numbers digit by digit (data.build_demo_tokenizer)
-    number_init: bool = True  # digit-structured initial embeddings for number tokens (init_number_embeddings)
+    number_init: bool = True  # structured initial embeddings for number tokens (init_number_embeddings)
+    number_features: str = "digits"  # "digits": place-digit features; "fourier": + cos/sin of the value
+    init_from: str | None = None  # warm start: model weights of another run's ckpt.pt (number rows re-made)
     adaptive_mix: bool = True  # after each evaluation, sample families in proportion to their error
     invented_animals: float = 0.3  # share of chat problems about invented names (copying practice)
     eos_tail_weight: float = 1.0
@@ -178,17 +180,34 @@ def init_model(cfg: ModelConfig, seed: int) -> LLaDA2Model:
     return model
 
 
-def init_number_embeddings(model: LLaDA2Model, tok: Tokenizer, seed: int) -> int:
+NUMBER_PERIOD = 200  # every answer (0..198) and every |difference| (0..99) is below it: no aliasing
+NUMBER_FREQUENCIES = (1, 2, 3, 4, 6, 8, 11, 15, 20, 27, 36, 48, 60, 72, 85, 97)
+
+
+def fourier_features(value: int) -> torch.Tensor:
+    """[2K] cos/sin of the value at K frequencies. Why: the sum of two operands is then one bilinear step away
+    (cos(w(a+b)) = cos(wa)cos(wb) - sin(wa)sin(wb), which a gated MLP computes from the two operands' features),
+    and an output row made of the same features scores sum_k cos(w_k (a + b - n)), highest exactly at n = a + b.
+    Differences work the same way (|a - b| after a minus sign: the sign of the sin terms comes from a < b)."""
+    w = torch.tensor(NUMBER_FREQUENCIES, dtype=torch.float64) * (2 * math.pi / NUMBER_PERIOD)
+    return torch.cat([torch.cos(w * value), torch.sin(w * value)]).float()
+
+
+def init_number_embeddings(model: LLaDA2Model, tok: Tokenizer, seed: int, features: str = "digits") -> int:
     """Give every number token (`7`, `42`, `197`, ` 42`, ...) an embedding and an output row built from
-    shared digit features: one random vector per (place, digit) for hundreds, tens and units (with a
-    "no digit" value), plus one for the leading space. `42` and ` 42` and `142` then start out related the
-    way their digits are, in the input and in the output alike, instead of as unrelated symbols: the model
-    does not have to discover place value before it can add, subtract or sort. It is only an initialisation
-    (the rows train freely afterwards). Returns how many tokens it set."""
+    shared features: one random vector per (place, digit) for hundreds, tens and units (with a "no digit"
+    value), plus one for the leading space; with features="fourier" also the value's cos/sin features
+    (fourier_features) through a fixed random orthonormal projection. `42` and ` 42` and `142` then start out
+    related the way their values are, in the input and in the output alike, instead of as unrelated symbols:
+    the model does not have to discover place value before it can add, subtract or sort. It is only an
+    initialisation (the rows train freely afterwards). Returns how many tokens it set."""
     gen = torch.Generator().manual_seed(seed + 7)
     h = model.cfg.hidden_size
     digit = torch.randn(3, 11, h, generator=gen) * 0.02  # [place, 0..9 | none, H]
     space = torch.randn(h, generator=gen) * 0.02
+    k2 = 2 * len(NUMBER_FREQUENCIES)
+    proj = torch.linalg.qr(torch.randn(h, k2, generator=gen))[0].T  # [2K, H], orthonormal rows
+    fourier_scale = 0.02 * math.sqrt(h) / math.sqrt(len(NUMBER_FREQUENCIES))  # the norm of a std-0.02 row
     n = 0
     with torch.no_grad():
         for i in range(tok.vocab_size):
@@ -199,6 +218,8 @@ def init_number_embeddings(model: LLaDA2Model, tok: Tokenizer, seed: int) -> int
             padded = [10] * (3 - len(body)) + [int(c) for c in body]
             row = sum(digit[p, d] for p, d in enumerate(padded)) + (space if text.startswith(" ") else 0)
             row = row / 2.0  # keep the per-dimension scale of the other rows (std 0.02)
+            if features == "fourier":
+                row = row / 2.0 + fourier_scale * (fourier_features(int(body)) @ proj)
             model.embed.weight[i] = row
             model.lm_head.weight[i] = row
             n += 1
@@ -275,8 +296,12 @@ class Trainer:
         self.tok = self._tokenizer()
         self.cfg = model_config(tcfg, self.tok)
         self.model = init_model(self.cfg, tcfg.seed)
+        if tcfg.init_from:
+            # warm start from another run of the same architecture and tokenizer: weights only (fresh optimizer)
+            state = torch.load(tcfg.init_from, map_location="cpu", weights_only=False)
+            self.model.load_state_dict(state["model"])
         if tcfg.number_init and not tcfg.digit_numbers:
-            init_number_embeddings(self.model, self.tok, tcfg.seed)
+            init_number_embeddings(self.model, self.tok, tcfg.seed, tcfg.number_features)
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
@@ -516,7 +541,10 @@ class Trainer:
         self.log({"step": self.step, "eval": res, "eval_seconds": round(time.time() - t, 1),
                   "mix": dict(zip(self.gen.families, [round(w, 3) for w in self.gen.weights]))})
         for mode, r in res.items():
-            log.info("eval step %d mode %s: %s", self.step, mode, " ".join(f"{k} {v:.3f}" for k, v in r.items()))
+            log.info("eval step %d mode %s: %s", self.step, mode,
+                     " ".join(f"{k} {v:.3f}" for k, v in r.items() if isinstance(v, (int, float))))
+            if "edits" in r:
+                log.info("eval step %d mode %s: edits %s", self.step, mode, r["edits"])
         for user, text in samples:
             log.info("  %r -> %r", user, text)
 
@@ -532,6 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between engine evaluations (0: never)")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="warm start a new run from another run's ckpt.pt (weights only; same tokenizer)")
+    p.add_argument("--number-features", choices=["digits", "fourier"], default=None,
+                   help="initial number-token rows: place digits, or digits + cos/sin of the value")
+    p.add_argument("--curriculum-steps", type=int, default=None, help="steps over which problems grow to full size")
     p.add_argument("--fresh", action="store_true", help="start over: ignore (and overwrite) an existing checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--log-level", default="info")
@@ -559,7 +592,8 @@ def train_main(argv: list[str] | None = None) -> int:
     else:
         tcfg = TrainConfig(run_dir=str(run))
     overrides = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-                 "threads": args.threads, "eval_every": args.eval_every}
+                 "threads": args.threads, "eval_every": args.eval_every, "init_from": args.init_from,
+                 "number_features": args.number_features, "curriculum_steps": args.curriculum_steps}
     tcfg = dataclasses.replace(tcfg, run_dir=str(run), **{k: v for k, v in overrides.items() if v is not None})
     if args.fresh:
         for name in ("ckpt.pt", "log.jsonl"):
