@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="no GPU: compile the MoE/FP8 kernels for sm_90 at the launch configurations the engine uses")
     p.add_argument("--fp8-agreement", action="store_true",
                    help="CPU: token agreement of the FP8 tiny model with the unquantised one over a fixed prompt set")
+    p.add_argument("--agreement-model", default=None, metavar="DIR",
+                   help="with --fp8-agreement: this checkpoint (a demo model: its held-out task prompts) instead "
+                        "of a tiny random one")
+    p.add_argument("--threads", type=int, default=None, help="with --fp8-agreement: torch CPU threads")
     p.add_argument("--prompts", type=int, default=32, help="with --fp8-agreement: number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="with --fp8-agreement")
     return p.parse_args(argv)
@@ -294,6 +298,11 @@ def fp8_agreement(n_prompts: int = 32, max_new_tokens: int = 64, seed: int = 7, 
 
     if path is None:
         path = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny-seed0", seed=0)
+    tasks = None
+    if (Path(path) / "generation_config.json").is_file() and "redraft_train_step" in _metadata(path):
+        from redraft.training.tasks import eval_set, is_correct, render_prompt
+
+        tasks = eval_set(seed + 1000, max(1, n_prompts // 5))  # a demo model: its own held-out problems
 
     def engine(dtype: str, quant: str | None):
         return redraft.Engine(str(path), device="cpu", dtype=dtype, kernel_backend=backend, quantization=quant,
@@ -305,27 +314,43 @@ def fp8_agreement(n_prompts: int = 32, max_new_tokens: int = 64, seed: int = 7, 
     rng = random.Random(seed)
     vocab = engines["fp32"].model_config.vocab_size
     ordinary = [i for i in range(vocab) if i not in specials and i >= 12]
-    prompts = [[rng.choice(ordinary) for _ in range(rng.randint(1, 100))] for _ in range(n_prompts)]
-    result = {"prompts": n_prompts, "max_new_tokens": max_new_tokens, "backend": backend}
+    if tasks is None:
+        prompts = [[rng.choice(ordinary) for _ in range(rng.randint(1, 100))] for _ in range(n_prompts)]
+    else:
+        prompts = [tok.encode(render_prompt(ex, tok)) for ex in tasks]
+    result = {"model": str(path), "prompts": len(prompts), "max_new_tokens": max_new_tokens, "backend": backend}
     for mode in modes:
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "mode": mode}
         outs = {k: e.generate(input_ids=prompts, sampling_params=params) for k, e in engines.items()}
-        for name in ("fp8", "bf16"):
+        # "fp8" and "bf16" are against fp32; "fp8_vs_bf16" is issue 7's criterion (FP8 tokens against bf16's)
+        for name, base, other in (("fp8", "fp32", "fp8"), ("bf16", "fp32", "bf16"), ("fp8_vs_bf16", "bf16", "fp8")):
             same = total = identical = 0
-            for a, b in zip(outs["fp32"], outs[name]):
+            for a, b in zip(outs[base], outs[other]):
                 x, y = a["output_ids"], b["output_ids"]
                 total += max(len(x), len(y))
                 same += sum(u == v for u, v in zip(x, y))
                 identical += x == y
             result[f"{mode}:{name}"] = {"agreement": same / max(1, total), "positions": total,
                                         "identical_outputs": identical,
-                                        "tokens": sum(len(o["output_ids"]) for o in outs[name])}
+                                        "tokens": sum(len(o["output_ids"]) for o in outs[other])}
+        if tasks is not None:  # and what it costs in answers
+            result[f"{mode}:exact_match"] = {k: sum(is_correct(ex, o["text"]) for ex, o in zip(tasks, v)) / len(tasks)
+                                             for k, v in outs.items()}
         if mode == modes[-1]:
             result["teacher_forced"] = teacher_forced_agreement(path, prompts, outs["fp32"],
                                                                 engines["fp32"].tokenizer.mask_token_id)
     for e in engines.values():
         e.shutdown()
     return result
+
+
+def _metadata(path: str | Path) -> dict:
+    """The safetensors header metadata of the first shard (the demo exporter records its training step)."""
+    from safetensors import safe_open
+
+    shard = sorted(Path(path).glob("*.safetensors"))[0]
+    with safe_open(str(shard), framework="pt") as f:
+        return f.metadata() or {}
 
 
 def teacher_forced_agreement(path, prompts, outputs, mask_id: int, seed: int = 0,
@@ -612,8 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_report:
         return compile_report()
     if args.fp8_agreement:
-        torch.set_num_threads(min(4, torch.get_num_threads()))
-        res = fp8_agreement(args.prompts, args.max_new_tokens)
+        torch.set_num_threads(args.threads or min(4, torch.get_num_threads()))
+        res = fp8_agreement(args.prompts, args.max_new_tokens, path=args.agreement_model)
         print(json.dumps(res, indent=2))
         return 0
     args.tokens = [int(t) for t in str(args.tokens).split(",") if t]

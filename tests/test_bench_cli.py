@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import threading
 import time
 
 import pytest
+
+from live_server import RedraftServer
 
 httpx = pytest.importorskip("httpx")
 from fastapi import Request  # noqa: E402 - the stand-in server's route annotation, resolved at module level
@@ -26,53 +27,23 @@ GROUP_FIELDS = {"requests", "completed", "failed", "output_tokens", "output_tok_
                 "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99",
                 "tokens_per_forward", "errors"}
 
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
 def _bench(args: list[str], env: dict | None = None, timeout: float = 200) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "redraft", "bench", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ))
 
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(request, tmp_path_factory) -> str:
     from redraft.engine.tiny import make_tiny_checkpoint
 
     tmp = tmp_path_factory.mktemp("bench-server")
-    ckpt = make_tiny_checkpoint(tmp / "tiny", seed=0)
-    port = _free_port()
-    log = tmp / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "redraft", "serve", "--model", str(ckpt), "--host", "127.0.0.1",
-                                 "--port", str(port), "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT,
-                                env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "the server did not start:\n" + log.read_text(errors="replace")[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
+    srv = RedraftServer(make_tiny_checkpoint(tmp / "tiny", seed=0), tmp, [])
+    request.addfinalizer(srv.stop)  # registered first: a failed start is cleaned up too
+    return srv.start().url
 
 def test_helpers():
     assert percentile([], 50) is None and percentile([2.0], 99) == 2.0
@@ -82,7 +53,6 @@ def test_helpers():
     assert [p.domain for p in a] == ["code", "math", "chat", "weather"] * 2
     assert all(8 <= p.max_tokens <= 16 for p in a)
     assert "Python function" in a[0].text and a[1].text.rstrip("?").split()[-1].isdigit()  # demo task suite
-
 
 def test_two_concurrencies_json_and_png(server, tmp_path):
     pytest.importorskip("matplotlib")
@@ -106,7 +76,6 @@ def test_two_concurrencies_json_and_png(server, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "| c=1 | all | all | 6/6 |" in res.stdout
 
-
 def test_without_matplotlib_json_and_a_message(server, tmp_path):
     fake = tmp_path / "nompl" / "matplotlib"
     fake.mkdir(parents=True)
@@ -119,10 +88,8 @@ def test_without_matplotlib_json_and_a_message(server, tmp_path):
     assert json.loads(out.read_text())["levels"][0]["overall"]["completed"] == 2
     assert not png.exists() and "matplotlib is not installed" in res.stderr
 
-
 # ---- a server that is not redraft -------------------------------------------------------------------------------
 OPENAI_FIELDS = {"model", "messages", "max_tokens", "temperature", "stream", "stream_options"}
-
 
 def _plain_openai_app(seen: list[dict]):
     from fastapi import FastAPI
@@ -155,7 +122,6 @@ def _plain_openai_app(seen: list[dict]):
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
-
 
 def test_plain_openai_server(tmp_path):
     uvicorn = pytest.importorskip("uvicorn")

@@ -105,15 +105,26 @@ def test_pages_are_returned_after_every_call(engine):
     assert sched.flush_cache() and engine.pool.num_used == 0
 
 
-def test_engine_without_a_model_says_what_it_serves(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("HOME", str(tmp_path))
+def test_engine_without_a_model_serves_the_bundled_demo_model():
+    from redraft.engine.defaults import BUNDLED_MODEL_DIR, default_model_path
+
+    assert (BUNDLED_MODEL_DIR / "config.json").is_file(), "the demo model is package data: is it installed?"
+    assert default_model_path() == BUNDLED_MODEL_DIR
+
+
+def test_without_a_bundled_model_a_tiny_random_one_and_a_warning(tmp_path, monkeypatch, caplog):
+    import redraft.engine.defaults as defaults
+
     monkeypatch.setattr(Path, "home", classmethod(lambda cls: tmp_path))
-    bundled = Path(redraft.engine.engine.__file__).parent / "demo_model" / "config.json"
+    monkeypatch.setattr(defaults, "BUNDLED_MODEL_DIR", tmp_path / "not-installed")
     eng = redraft.Engine(progress=False)
-    out = eng.generate(prompt="hello", sampling_params={"max_new_tokens": 4})
+    try:
+        out = eng.generate(prompt="hello", sampling_params={"max_new_tokens": 4})
+    finally:
+        eng.shutdown()
     assert len(out["output_ids"]) <= 4
-    if not bundled.is_file():
-        assert "tiny RANDOM checkpoint" in caplog.text
+    assert "tiny RANDOM checkpoint" in caplog.text
+    assert (tmp_path / ".cache" / "redraft" / "tiny-random-seed0" / "config.json").is_file()
 
 
 def test_cli_generate_and_make_tiny(tmp_path):

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from live_server import RedraftServer
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
@@ -103,24 +105,15 @@ def promtool() -> str:
 
 
 @pytest.fixture(scope="module")
-def redraft_server(tmp_path_factory):
+def redraft_server(request, tmp_path_factory):
     from redraft.engine.tiny import make_tiny_checkpoint
 
     tmp = tmp_path_factory.mktemp("metrics-server")
-    ckpt = make_tiny_checkpoint(tmp / "tiny", seed=0)
-    port = _free_port()
-    log = tmp / "server.log"
-    cmd = [sys.executable, "-m", "redraft", "serve", "--model", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", "--domains", ",".join(DOMAINS), "--max-queued-requests", "64"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc, SERVER_START_S, log)
-        yield f"http://127.0.0.1:{port}", port, "tiny"
-    finally:
-        _stop(proc)
+    args = ["--domains", ",".join(DOMAINS), "--max-queued-requests", "64"]
+    srv = RedraftServer(make_tiny_checkpoint(tmp / "tiny", seed=0), tmp, args, env={"PROMETHEUS_MULTIPROC_DIR": None})
+    request.addfinalizer(srv.stop)
+    srv.start()
+    return srv.url, srv.port, "tiny"
 
 
 @pytest.fixture(scope="module")
