@@ -344,6 +344,46 @@ def fp8_agreement(n_prompts: int = 32, max_new_tokens: int = 64, seed: int = 7, 
     return result
 
 
+def fp8_layer_errors(path: str | Path, prompts: list[list[int]]) -> list[dict]:
+    """Every FP8 layer (attention qkv and o_proj, dense MLP, MoE with its shared expert) against the unquantised
+    layer on the same real inputs: the fp32 model's own activations over `prompts` (one prefill forward each),
+    fed to both. Per layer: cosine and relative L2 of the outputs over all tokens."""
+    from redraft.engine.config import ModelConfig
+    from redraft.engine.loader import load_model
+    from redraft.kernels.attention import AttentionMetadata
+
+    cfg = ModelConfig.from_pretrained(path)
+    ref = load_model(path, cfg, dtype="float32", progress=False)
+    fp8 = load_model(path, cfg, dtype="float32", progress=False, quantization="fp8")
+    names = []
+    for i, layer in enumerate(ref.layers):
+        names += [f"layers.{i}.attn.qkv", f"layers.{i}.attn.o_proj", f"layers.{i}.mlp"]
+    inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    hooks = [ref.get_submodule(n).register_forward_hook(
+        lambda mod, args, out, n=n: inputs[n].append(args[0].detach())) for n in names]
+    try:
+        for seq in prompts:
+            n = len(seq)
+            pages = list(range(-(-n // 32)))
+            meta = AttentionMetadata.build([0], [n], [pages], 32, "cpu", with_torch_plan=True)
+            shape = (cfg.num_hidden_layers, len(pages), 32, cfg.num_key_value_heads, cfg.head_dim)
+            with torch.inference_mode():
+                ref(torch.tensor(seq), meta, torch.zeros(shape), torch.zeros(shape))
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    with torch.inference_mode():
+        for name in names:
+            x = torch.cat(inputs[name])  # [tokens, in]
+            want, got = ref.get_submodule(name)(x).double(), fp8.get_submodule(name)(x).double()
+            cos = float(torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0))
+            rel = float((got - want).norm() / want.norm())
+            rows.append({"layer": name, "kind": type(fp8.get_submodule(name)).__name__, "tokens": x.shape[0],
+                         "cosine": cos, "rel_l2": rel})
+    return rows
+
+
 def _metadata(path: str | Path) -> dict:
     """The safetensors header metadata of the first shard (the demo exporter records its training step)."""
     from safetensors import safe_open
@@ -639,6 +679,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp8_agreement:
         torch.set_num_threads(args.threads or min(4, torch.get_num_threads()))
         res = fp8_agreement(args.prompts, args.max_new_tokens, path=args.agreement_model)
+        if args.agreement_model:  # per layer, on the model's own activations
+            from redraft.engine.tokenizer import Tokenizer
+            from redraft.training.tasks import eval_set, render_prompt
+
+            tok = Tokenizer.from_pretrained(args.agreement_model)
+            prompts = [tok.encode(render_prompt(ex, tok)) for ex in eval_set(7, 4)]
+            res["layers"] = fp8_layer_errors(args.agreement_model, prompts)
         print(json.dumps(res, indent=2))
         return 0
     args.tokens = [int(t) for t in str(args.tokens).split(",") if t]

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 import redraft
+import redraft.engine.tokenizer
 from live_server import RedraftServer
 from redraft.engine.defaults import BUNDLED_MODEL_DIR
 from redraft.training.tasks import (FAMILIES, eval_set, is_correct, make_chat, make_code, make_math, make_reverse,
@@ -107,3 +108,16 @@ def test_fp8_tokens_agree_with_bf16_on_the_demo_model(capsys):
     for mode in ("S", "Q"):
         assert res[f"{mode}:fp8_vs_bf16"]["agreement"] >= 0.9, res
         assert res[f"{mode}:fp8"]["tokens"] > 0
+
+
+def test_fp8_layers_on_real_activations():
+    """Issue 7's layer criterion on a trained model: every W8A8 layer (qkv, o_proj, dense MLP, MoE with its
+    shared expert) against the unquantised layer on the model's own activations: cosine >= 0.999, rel L2 < 5%."""
+    from redraft.clients.bench_moe import fp8_layer_errors
+
+    eng_tok = redraft.engine.tokenizer.Tokenizer.from_pretrained(BUNDLED_MODEL_DIR)
+    prompts = [eng_tok.encode(render_prompt(ex, eng_tok)) for ex in eval_set(seed=7, per_family=2)]
+    rows = fp8_layer_errors(BUNDLED_MODEL_DIR, prompts)
+    assert {r["kind"] for r in rows} >= {"Fp8Linear", "Fp8DenseMLP", "MoE"}
+    for r in rows:
+        assert r["cosine"] >= 0.999 and r["rel_l2"] < 0.05, r

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from live_server import RedraftServer
+from live_server import RedraftServer, free_port
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -49,12 +48,6 @@ REQUESTS = [
 ]
 SERVER_START_S = 120.0
 SCRAPE_WAIT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tool(name: str) -> str:
@@ -128,7 +121,7 @@ def prometheus(redraft_server, tmp_path_factory):
         "scrape_configs:\n  - job_name: redraft\n    scrape_timeout: 1s\n"
         f"    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
     )
-    web_port = _free_port()
+    web_port = free_port()
     log = tmp / "prometheus.log"
     cmd = [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
            f"--web.listen-address=127.0.0.1:{web_port}", "--log.level=warn"]

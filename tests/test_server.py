@@ -17,9 +17,6 @@ import os
 import random
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,177 +25,14 @@ import httpx
 import pytest
 
 import redraft
+from live_server import RedraftServer as ServerProcess, still_running
 from redraft.engine.tiny import make_tiny_checkpoint
 
 MODEL_LEN = 4096  # max_position_embeddings of the tiny config
 FIRST_ID, VOCAB = 12, 448  # ids 0..11 are the tiny tokenizer's special tokens (EOS 1, MASK 2)
-STARTUP_TIMEOUT_S = 120.0
-SHUTDOWN_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 60.0
 # A request that can only end by abort (or after thousands of forwards): the abort tests rely on it.
 ENDLESS = {"max_new_tokens": 2000, "ignore_eos": True, "mode": "Q"}
-
-
-# ---- processes (/proc only) ------------------------------------------------------------------------------
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a process, None if there is none with this pid."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
-    return fields[0], fields[19]  # state (field 3), starttime (field 22)
-
-
-def _children(pid: int) -> list[int]:
-    files = list(Path(f"/proc/{pid}/task").glob("*/children"))
-    if files:
-        kids: list[int] = []
-        for f in files:
-            try:
-                kids += [int(x) for x in f.read_text().split()]
-            except OSError:
-                pass
-        return kids
-    kids = []  # kernels without CONFIG_PROC_CHILDREN: scan every process's parent pid
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                raw = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(raw[raw.rindex(")") + 2 :].split()[1]) == pid:
-                kids.append(int(d.name))
-    return kids
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    """pid -> start time of every live descendant (the start time tells a reused pid apart)."""
-    out: dict[int, str] = {}
-    stack = [pid]
-    while stack:
-        for kid in _children(stack.pop()):
-            st = _proc_stat(kid)
-            if st is not None and kid not in out:
-                out[kid] = st[1]
-                stack.append(kid)
-    return out
-
-
-def _still_running(pid: int, start_time: str) -> bool:
-    st = _proc_stat(pid)
-    return st is not None and st[1] == start_time and st[0] != "Z"
-
-
-def _kill_if_running(pid: int, start_time: str) -> None:
-    if _still_running(pid, start_time):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """One `redraft serve` subprocess; its log goes to a file, shown when something goes wrong."""
-
-    def __init__(self, model: Path, log_dir: Path, extra_args: list[str]):
-        self.model, self.log_dir, self.extra_args = model, log_dir, extra_args
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
-        self.log_path = log_dir / "server.log"
-        self.seen_descendants: dict[int, str] = {}
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def start(self) -> None:
-        for _ in range(3):  # a free port can be taken between _free_port() and the bind: try another
-            self.port = _free_port()
-            cmd = [sys.executable, "-m", "redraft", "serve", "--model", str(self.model), "--host", "127.0.0.1",
-                   "--port", str(self.port), "--log-level", "warning", *self.extra_args]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            if self._wait_healthy():
-                self.record_descendants()
-                return
-            if self.proc.poll() is None:
-                break  # alive but not healthy in time: not a port clash
-        self.stop(check=False)
-        pytest.fail(f"`redraft serve` did not become healthy; log:\n{self.log_tail()}")
-
-    def _wait_healthy(self) -> bool:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        return False
-
-    def record_descendants(self) -> dict[int, str]:
-        if self.proc is not None and self.proc.poll() is None:
-            self.seen_descendants.update(_descendants(self.proc.pid))
-        return self.seen_descendants
-
-    def engine_pid(self) -> int:
-        engines = [p for p in _children(self.proc.pid) if b"spawn_main" in _cmdline(p)]
-        assert len(engines) == 1, f"expected one engine process among the children, got {engines}"
-        return engines[0]
-
-    def stop(self, check: bool = True) -> None:
-        """SIGTERM; the server must exit in time, and every process it started must be gone."""
-        if self.proc is None:
-            return
-        self.record_descendants()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            for pid, start in self.seen_descendants.items():
-                _kill_if_running(pid, start)
-            if check:
-                pytest.fail(f"the server did not exit within {SHUTDOWN_TIMEOUT_S}s of SIGTERM; log:\n{self.log_tail()}")
-            return
-        deadline = time.monotonic() + 15.0  # orphans are reparented and reaped; give them a moment
-        left = dict(self.seen_descendants)
-        while left and time.monotonic() < deadline:
-            left = {p: s for p, s in left.items() if _still_running(p, s)}
-            time.sleep(0.1)
-        for pid, start in left.items():  # never leave a stray process behind, even when failing
-            _kill_if_running(pid, start)
-        if check:
-            # uvicorn re-raises the signal after its graceful shutdown: -SIGTERM is a clean exit too
-            assert code in (0, -signal.SIGTERM), f"server exit code {code}; log:\n{self.log_tail()}"
-            assert not left, (f"processes left behind by the server: "
-                              f"{ {p: _cmdline(p) for p in left} }; log:\n{self.log_tail()}")
 
 
 def _server_fixture(request, ckpt: Path, tmp_path_factory, extra_args: list[str]):
@@ -495,7 +329,7 @@ def test_dead_engine_gives_503_at_once_and_unhealthy(ckpt, tmp_path_factory, req
         assert dt < 1.5, f"{r.request.url.path} took {dt:.2f}s to answer after the engine died"
     _assert_error_shape(streamed, 503)
     _assert_error_shape(health, 503)
-    assert not _still_running(eng, srv.seen_descendants[eng])
+    assert not still_running(eng, srv.seen_descendants[eng])
 
 
 # ---- 6. streaming format -------------------------------------------------------------------------------------

@@ -307,3 +307,15 @@ def test_export_round_trip_through_engine(trainer, tmp_path) -> None:
         assert engine.tokenizer.apply_chat_template(ex.messages()) == tasks.render_prompt(ex)
     finally:
         engine.shutdown()
+
+
+def test_train_settings_override_and_merge() -> None:
+    from redraft.training.train import TrainConfig, apply_settings
+
+    base = TrainConfig()
+    got = apply_settings(base, ["mtf_start=0", 'family_weights={"math": 2.5}', "number_features=fourier",
+                                "betas=[0.9, 0.95]"])
+    assert got.mtf_start == 0 and got.number_features == "fourier" and got.betas == (0.9, 0.95)
+    assert got.family_weights == {**base.family_weights, "math": 2.5}
+    with pytest.raises(SystemExit, match="no_such_field"):
+        apply_settings(base, ["no_such_field=1"])

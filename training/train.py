@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -318,6 +319,9 @@ class Trainer:
 
     def _tokenizer(self) -> Tokenizer:
         tdir = self.run / "tokenizer"
+        source = Path(self.tcfg.init_from).parent / "tokenizer" if self.tcfg.init_from else None
+        if not (tdir / "tokenizer.json").is_file() and source is not None and (source / "tokenizer.json").is_file():
+            shutil.copytree(source, tdir)  # a warm start keeps the token ids its weights were trained with
         if not (tdir / "tokenizer.json").is_file():
             hf = build_demo_tokenizer(self.tcfg.vocab_size, self.tcfg.seed, digits=self.tcfg.digit_numbers)
             save_pretrained_tokenizer(hf, tdir, load_default_chat_template(),
@@ -487,13 +491,14 @@ class Trainer:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     # -- the loop --
-    def fit(self, progress: bool = True) -> None:
+    def fit(self, progress: bool = True, stop_at: int | None = None) -> None:
         c = self.tcfg
+        end = c.steps if stop_at is None else min(stop_at, c.steps)
         bar = tqdm(total=c.steps, initial=self.step, desc="train-demo", unit="step", disable=not progress,
                    dynamic_ncols=True)
         window: list[dict[str, float]] = []
         t_last = time.time()
-        while self.step < c.steps and not self.stop_requested:
+        while self.step < end and not self.stop_requested:
             stats = self.train_step(self.make_batch(c.batch_size))
             window.append(stats)
             bar.update(1)
@@ -512,7 +517,7 @@ class Trainer:
                          self.step, avg["loss"], avg["acc"], fams, avg["gnorm"], avg["lr"], avg["level"],
                          avg["moe_max_load"], rate)
                 window = []
-            if self.step % c.ckpt_every == 0 or self.step == c.steps:
+            if self.step % c.ckpt_every == 0 or self.step in (c.steps, end):
                 self.save()
             if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
                 self._logged_eval()
@@ -565,10 +570,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--number-features", choices=["digits", "fourier"], default=None,
                    help="initial number-token rows: place digits, or digits + cos/sin of the value")
     p.add_argument("--curriculum-steps", type=int, default=None, help="steps over which problems grow to full size")
+    p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                   help="save and exit at this step (the LR schedule still spans --steps)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help='any other TrainConfig field, e.g. --set mtf_start=0 --set \'family_weights={"math": 2.5}\' '
+                        "(a dict is merged into the current one)")
     p.add_argument("--fresh", action="store_true", help="start over: ignore (and overwrite) an existing checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def apply_settings(tcfg: TrainConfig, settings: list[str]) -> TrainConfig:
+    """`--set FIELD=JSON` overrides; dict fields merge (family_weights={"math": 2.5} keeps the other families)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    changes: dict[str, Any] = {}
+    for item in settings:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"redraft train-demo: --set {item!r}: expected FIELD=JSON with FIELD one of {sorted(fields)}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare string
+        current = getattr(tcfg, key)
+        changes[key] = {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value
+    return TrainConfig.from_dict({**dataclasses.asdict(tcfg), **changes})
 
 
 def _running_trainer(run: Path) -> int | None:
@@ -595,6 +622,7 @@ def train_main(argv: list[str] | None = None) -> int:
                  "threads": args.threads, "eval_every": args.eval_every, "init_from": args.init_from,
                  "number_features": args.number_features, "curriculum_steps": args.curriculum_steps}
     tcfg = dataclasses.replace(tcfg, run_dir=str(run), **{k: v for k, v in overrides.items() if v is not None})
+    tcfg = apply_settings(tcfg, args.set)
     if args.fresh:
         for name in ("ckpt.pt", "log.jsonl"):
             (run / name).unlink(missing_ok=True)
@@ -620,7 +648,7 @@ def train_main(argv: list[str] | None = None) -> int:
     # `kill PID` (or Ctrl-C) ends the current step, saves a checkpoint and exits: nothing is lost.
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    trainer.fit(progress=progress)
+    trainer.fit(progress=progress, stop_at=args.stop_at)
     if trainer.stop_requested:
         return 0
     log.info("done: %d steps; export with `python -m redraft.training.export --run-dir %s --out DIR`",
