@@ -12,7 +12,7 @@ redraft train-demo --run-dir runs/stage1 --steps 60000 --stop-at 10066 --threads
 # 2. Warm start from stage 1 (weights only, fresh optimizer): number rows re-made with Fourier value features
 #    (training/train.py, fourier_features), math weighted up, full-size problems from the start, 2 threads.
 redraft train-demo --run-dir runs/demo --init-from runs/stage1/ckpt.pt --number-features fourier \
-    --steps 20000 --lr 1.5e-3 --curriculum-steps 1 --threads 2 --no-progress \
+    --steps 16000 --lr 1.5e-3 --curriculum-steps 1 --threads 2 --no-progress \
     --set mtf_start=0 --set 'family_weights={"math": 2.5}'
 
 # 3. Export into the package, then measure it.
