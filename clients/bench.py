@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from redraft.clients.sse import StreamError, sse_events
+
 try:
     import httpx
 except ImportError:  # pragma: no cover - httpx comes with the dev extra
@@ -118,49 +120,39 @@ class Result:
 async def one_request(client: "httpx.AsyncClient", url: str, body: dict, headers: dict, domain: str,
                       mode: str) -> Result:
     res = Result(domain, mode, start=time.perf_counter())
+    usage, diffusion, finished, chunks = None, None, False, 0
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                res.error = f"HTTP {resp.status_code}: {text[:200]}"
-                return res
-            usage, diffusion, finished, chunks = None, None, False, 0
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    res.error = f"stream error: {(event['error'] or {}).get('message')}"
-                    return res
-                now = time.perf_counter() - res.start
-                for choice in event.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        chunks += 1
-                        res.chunk_times.append(now)
-                        if res.ttft is None:
-                            res.ttft = now
-                    if choice.get("finish_reason"):
-                        finished = True
-                if event.get("usage"):
-                    usage = event["usage"]
-                    diffusion = event.get("diffusion") or diffusion
-            res.latency = time.perf_counter() - res.start
-            if not finished:
-                res.error = "the stream ended without a finish_reason"
-                return res
-            if usage:
-                res.output_tokens = int(usage.get("completion_tokens") or 0)
-                res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            else:  # a server that ignores stream_options: one token per content chunk is the best guess
-                res.output_tokens = chunks
-            if diffusion and diffusion.get("forwards"):
-                res.forwards = int(diffusion["forwards"])
-            res.ok = True
+        async for event in sse_events(client, url, body, headers):
+            now = time.perf_counter() - res.start
+            for choice in event.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    chunks += 1
+                    res.chunk_times.append(now)
+                    if res.ttft is None:
+                        res.ttft = now
+                if choice.get("finish_reason"):
+                    finished = True
+            if event.get("usage"):
+                usage = event["usage"]
+                diffusion = event.get("diffusion") or diffusion
+    except StreamError as exc:
+        res.error = str(exc)
+        return res
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.latency = time.perf_counter() - res.start
+    if not finished:
+        res.error = "the stream ended without a finish_reason"
+        return res
+    if usage:
+        res.output_tokens = int(usage.get("completion_tokens") or 0)
+        res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    else:  # a server that ignores stream_options: one token per content chunk is the best guess
+        res.output_tokens = chunks
+    if diffusion and diffusion.get("forwards"):
+        res.forwards = int(diffusion["forwards"])
+    res.ok = True
     return res
 
 

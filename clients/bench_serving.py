@@ -44,6 +44,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from redraft.clients.bench import percentile
+from redraft.clients.sse import StreamError, sse_events
+
 try:
     import httpx
 except ImportError:  # pragma: no cover - httpx comes with the dev extra
@@ -94,40 +97,30 @@ def make_prompts(n: int, words: tuple[int, int], seed: int) -> list[str]:
 async def one_request(client: "httpx.AsyncClient", url: str, prompt: str, params: dict, headers: dict) -> Result:
     res = Result(t_start=time.perf_counter())
     body = {"text": prompt, "sampling_params": params, "stream": True}
+    last: dict | None = None
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                res.error = f"HTTP {resp.status_code}: {text[:200]}"
-                return res
-            last: dict | None = None
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"stream error: {chunk['error'].get('message')}"
-                    return res
-                now = time.perf_counter() - res.t_start
-                if res.ttft is None and chunk.get("output_ids"):
-                    res.ttft = now
-                res.block_times.append(now)
-                last = chunk
-            res.latency = time.perf_counter() - res.t_start
-            if last is None:
-                res.error = "the stream ended without a chunk"
-                return res
-            res.meta = last.get("meta_info") or {}
-            res.output_len = int(res.meta.get("completion_tokens", len(last.get("output_ids", []))))
-            if res.meta.get("finish_reason") is None:
-                res.error = "the stream ended before the request finished"
-                return res
-            res.ok = True
+        async for chunk in sse_events(client, url, body, headers):
+            now = time.perf_counter() - res.t_start
+            if res.ttft is None and chunk.get("output_ids"):
+                res.ttft = now
+            res.block_times.append(now)
+            last = chunk
+    except StreamError as exc:
+        res.error = str(exc)
+        return res
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.latency = time.perf_counter() - res.t_start
+    if last is None:
+        res.error = "the stream ended without a chunk"
+        return res
+    res.meta = last.get("meta_info") or {}
+    res.output_len = int(res.meta.get("completion_tokens", len(last.get("output_ids", []))))
+    if res.meta.get("finish_reason") is None:
+        res.error = "the stream ended before the request finished"
+        return res
+    res.ok = True
     return res
 
 
@@ -166,17 +159,6 @@ async def run_level(client: "httpx.AsyncClient", base_url: str, concurrency: int
         if t.done() and not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
     return results, duration
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default), without numpy."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def summarize(concurrency: int, results: list[Result], duration: float, max_new_tokens: int) -> dict:

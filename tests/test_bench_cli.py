@@ -4,6 +4,7 @@ that is not redraft (a stand-in that accepts only OpenAI's fields, as strict ser
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -27,14 +28,17 @@ GROUP_FIELDS = {"requests", "completed", "failed", "output_tokens", "output_tok_
                 "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99",
                 "tokens_per_forward", "errors"}
 
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 def _bench(args: list[str], env: dict | None = None, timeout: float = 200) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "redraft", "bench", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ))
+
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory) -> str:
@@ -45,6 +49,24 @@ def server(request, tmp_path_factory) -> str:
     request.addfinalizer(srv.stop)  # registered first: a failed start is cleaned up too
     return srv.start().url
 
+
+def test_sse_events_yields_events_and_raises_server_errors(server):
+    """The stream reader both benchmark clients use, against the live server: events of a good stream up to
+    [DONE]; a 400 and an unknown model as StreamError with the status, never a hang."""
+    from redraft.clients.sse import StreamError, sse_events
+
+    async def collect(body: dict) -> list[dict]:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            return [e async for e in sse_events(client, server + "/v1/completions", body, {})]
+
+    events = asyncio.run(collect({"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}))
+    assert events and events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    with pytest.raises(StreamError, match="HTTP 400"):
+        asyncio.run(collect({"model": "tiny", "prompt": "hello", "max_tokens": -1, "stream": True}))
+    with pytest.raises(StreamError, match="HTTP 404"):
+        asyncio.run(collect({"model": "no-such-model", "prompt": "hello", "stream": True}))
+
+
 def test_helpers():
     assert percentile([], 50) is None and percentile([2.0], 99) == 2.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
@@ -53,6 +75,7 @@ def test_helpers():
     assert [p.domain for p in a] == ["code", "math", "chat", "weather"] * 2
     assert all(8 <= p.max_tokens <= 16 for p in a)
     assert "Python function" in a[0].text and a[1].text.rstrip("?").split()[-1].isdigit()  # demo task suite
+
 
 def test_two_concurrencies_json_and_png(server, tmp_path):
     pytest.importorskip("matplotlib")
@@ -76,6 +99,7 @@ def test_two_concurrencies_json_and_png(server, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "| c=1 | all | all | 6/6 |" in res.stdout
 
+
 def test_without_matplotlib_json_and_a_message(server, tmp_path):
     fake = tmp_path / "nompl" / "matplotlib"
     fake.mkdir(parents=True)
@@ -90,6 +114,7 @@ def test_without_matplotlib_json_and_a_message(server, tmp_path):
 
 # ---- a server that is not redraft -------------------------------------------------------------------------------
 OPENAI_FIELDS = {"model", "messages", "max_tokens", "temperature", "stream", "stream_options"}
+
 
 def _plain_openai_app(seen: list[dict]):
     from fastapi import FastAPI
@@ -122,6 +147,7 @@ def _plain_openai_app(seen: list[dict]):
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
 
 def test_plain_openai_server(tmp_path):
     uvicorn = pytest.importorskip("uvicorn")
