@@ -225,19 +225,26 @@ def compile_report(shapes: str | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - report, fail
             print(f"sm_90 {name} {dtype}: COMPILE FAILED: {exc}")
             return 1
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = Path(tmp) / "k.cubin"
-            cubin.write_bytes(kern.asm["cubin"])
-            res = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        regs, stack = (m.group(1), m.group(2)) if m else ("?", "?")
-        local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
-        wgmma = "yes" if re.search(r"\bHGMMA\b", sass) else "no"
+        use = cubin_usage(kern, cuobjdump)
+        wgmma = "yes" if "HGMMA" in use["mma"] else "no"
         print(f"sm_90 {name} {dtype} G={hq // hkv} D={d} BLOCK_M={cfg['BLOCK_M']} BLOCK_N={cfg['BLOCK_N']} "
-              f"warps={warps} stages={stages}: regs {regs} stack {stack} local {local} "
-              f"shared {kern.metadata.shared} wgmma {wgmma}")
+              f"warps={warps} stages={stages}: regs {use['regs']} stack {use['stack']} local {use['local']} "
+              f"shared {use['shared']} wgmma {wgmma}")
     return 0
+
+
+def cubin_usage(kern, cuobjdump: Path) -> dict:
+    """What a compiled kernel's cubin uses, read with cuobjdump: registers and stack per thread (-1 when
+    unreadable), local-memory instructions (spills), shared memory, and its MMA instructions ("none" if any)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kern.asm["cubin"])
+        res = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    return {"regs": int(m.group(1)) if m else -1, "stack": int(m.group(2)) if m else -1,
+            "local": len(re.findall(r"\b(?:LDL|STL)\b", sass)), "shared": kern.metadata.shared,
+            "mma": "+".join(sorted(set(re.findall(r"\b(HGMMA|QGMMA|HMMA)\b", sass)))) or "none"}
 
 
 # ---- timing helpers -----------------------------------------------------------------------------------

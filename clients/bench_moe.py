@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -560,21 +559,15 @@ def _toolchain():
 def compile_launch(kernel, args, kwargs, tools) -> dict:
     """Compile one recorded launch for sm_90; the cubin's registers, stack, local-memory instructions, shared
     memory and MMA instructions."""
+    from redraft.clients.bench_gpu_step import cubin_usage
+
     triton, GPUTarget, ASTSource, cuobjdump = tools
     sig, const, opts, attrs = _signature(kernel, args, kwargs)
     names = kernel.arg_names
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
                     attrs=attrs)
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kern.asm["cubin"])
-        res = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    return {"regs": int(m.group(1)) if m else -1, "stack": int(m.group(2)) if m else -1,
-            "local": len(re.findall(r"\b(?:LDL|STL)\b", sass)), "shared": kern.metadata.shared,
-            "mma": "+".join(sorted(set(re.findall(r"\b(HGMMA|QGMMA|HMMA)\b", sass)))) or "none",
+    return {**cubin_usage(kern, cuobjdump),
             "blocks": {n: const[n] for n in const if n.startswith("BLOCK")},
             "warps": opts.get("num_warps", 4), "stages": opts.get("num_stages", 3)}
 

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - the wrapper raises a clear error when 
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["paged_attention_triton", "write_kv_triton", "interpreting", "HAS_TRITON"]
+__all__ = ["paged_attention_triton", "write_kv_triton", "interpreting", "check_device", "next_pow2", "HAS_TRITON"]
 
 
 def _triton_interprets() -> bool:
@@ -66,6 +66,21 @@ _INTERPRET = _triton_interprets()
 def interpreting() -> bool:
     """True when this process runs Triton kernels in the interpreter."""
     return _INTERPRET
+
+
+def check_device(t: torch.Tensor) -> None:
+    """Every Triton wrapper's first check: triton is installed, and `t` lives where this process runs kernels."""
+    if not HAS_TRITON:
+        raise ImportError("kernel_backend='triton' needs the `triton` package (pip install 'redraft[triton]')")
+    if t.device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"the Triton kernels got {t.device.type} tensors, but this process imported triton without "
+            "TRITON_INTERPRET=1: set TRITON_INTERPRET=1 before anything imports triton to run them on CPU"
+        )
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 _LOG2E = 1.4426950408889634
@@ -261,20 +276,10 @@ _KERNELS: list = []
 
 def _kernels(t: torch.Tensor) -> tuple:
     """(write_kv, attention), jitted on first use (interpreted or compiled, as the process decided)."""
-    if not HAS_TRITON:
-        raise ImportError("kernel_backend='triton' needs the `triton` package (pip install 'redraft[triton]')")
-    if t.device.type != "cuda" and not interpreting():
-        raise RuntimeError(
-            f"the Triton kernels got {t.device.type} tensors, but this process imported triton without "
-            "TRITON_INTERPRET=1: set TRITON_INTERPRET=1 before anything imports triton to run them on CPU"
-        )
+    check_device(t)
     if not _KERNELS:
         _KERNELS.extend([triton.jit(_write_kv_kernel), triton.jit(_block_causal_attn_kernel)])
     return tuple(_KERNELS)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _check_dtype(t: torch.Tensor) -> None:
@@ -298,8 +303,8 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
         v = v.contiguous()
     write, _ = _kernels(k)
     row = hkv * d
-    block_c = min(_next_pow2(row), 1024)
-    block_t = min(_next_pow2(t), 64) if interpreting() else max(1, min(_next_pow2(t), 4096 // block_c))
+    block_c = min(next_pow2(row), 1024)
+    block_t = min(next_pow2(t), 64) if interpreting() else max(1, min(next_pow2(t), 4096 // block_c))
     grid = (triton.cdiv(t, block_t), triton.cdiv(row, block_c))
     write[grid](k, v, k_cache, v_cache, slots, t, k.stride(0), v.stride(0),
                 ROW=row, BLOCK_T=block_t, BLOCK_C=block_c)
@@ -363,10 +368,10 @@ def launch_config(group: int, head_dim: int, page: int, max_q: int, interp: bool
     8 warps once the fp32 accumulator is 128 x 128 (at 4 warps the mini shape spills: 255 registers and a
     208-byte stack on sm_90; at 8 warps 193 registers, no stack, wgmma). Interpreter: larger programs, since
     its cost is per operation, not per element."""
-    block_g = _next_pow2(group)
-    block_d = max(16, _next_pow2(head_dim))
+    block_g = next_pow2(group)
+    block_d = max(16, next_pow2(head_dim))
     if interp:
-        block_m, block_n, warps, stages = max(16, min(64, _next_pow2(max_q))), 128, 4, 1
+        block_m, block_n, warps, stages = max(16, min(64, next_pow2(max_q))), 128, 4, 1
     else:
         block_m, block_n = max(16, min(page, 128 // block_g)), 32
         warps = 8 if block_m * block_g * block_d >= 128 * 128 else 4

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from redraft.kernels.attention_triton import check_device, interpreting, next_pow2  # noqa: F401 - re-exported
 from redraft.kernels.fp8 import BLOCK, FP8_DTYPE, cdiv  # (importing redraft.kernels settles TRITON_INTERPRET)
 
 try:
@@ -36,26 +37,6 @@ except ImportError:  # pragma: no cover - the wrappers raise a clear error when 
 
 def _jit(fn):
     return triton.jit(fn) if HAS_TRITON else fn
-
-
-def interpreting() -> bool:
-    from redraft.kernels.attention_triton import interpreting as _interp
-
-    return _interp()
-
-
-def check_device(t: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise ImportError("kernel_backend='triton' needs the `triton` package (pip install 'redraft[triton]')")
-    if t.device.type != "cuda" and not interpreting():
-        raise RuntimeError(
-            f"the Triton kernels got {t.device.type} tensors, but this process imported triton without "
-            "TRITON_INTERPRET=1: set TRITON_INTERPRET=1 before anything imports triton to run them on CPU"
-        )
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 FP8_MAX = 448.0

@@ -586,10 +586,9 @@ def fused_moe(
     sh13, sh2 = _rows_contig(sh.w13), _rows_contig(sh.w2)
     shs13 = _rows_contig(sh.w13_scale) if fp8 else sh13
     shs2 = _rows_contig(sh.w2_scale) if fp8 else sh2
-    if fp8 and (sh13.stride(0) != w13.stride(1) or sh2.stride(0) != w2.stride(1)
-                or shs13.stride(0) != s13.stride(1) or shs2.stride(0) != s2.stride(1)):
-        raise ValueError("the shared expert's row strides must match the routed experts'")
-    if not fp8 and (sh13.stride(0) != w13.stride(1) or sh2.stride(0) != w2.stride(1)):
+    # the kernel addresses the shared expert with the routed experts' row strides (weights, and FP8 scales)
+    pairs = [(sh13, w13), (sh2, w2)] + ([(shs13, s13), (shs2, s2)] if fp8 else [])
+    if any(shared_t.stride(0) != routed.stride(1) for shared_t, routed in pairs):
         raise ValueError("the shared expert's row strides must match the routed experts'")
     grid = (plan.max_tiles, slices)
     _fused_moe_kernel[grid](

@@ -1,5 +1,6 @@
 """A live `redraft serve` for tests: a free 127.0.0.1 port, the log in a file (shown when something fails),
-SIGTERM on stop, with the exit status checked and every process the server started gone afterwards."""
+SIGTERM on stop, with the exit status checked and every process the server started gone afterwards; and the
+OpenAI error shape every refused request must have."""
 
 from __future__ import annotations
 
@@ -89,6 +90,20 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def assert_error_shape(resp: httpx.Response, status: int | None = None) -> dict:
+    """An error answer in OpenAI's shape ({"error": {message, type, param, code}}), with `status` if given."""
+    if status is not None:
+        assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert err["param"] is None or isinstance(err["param"], str), err
+    return err
 
 
 # ---- the server ----------------------------------------------------------------------------------------------

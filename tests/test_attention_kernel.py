@@ -21,6 +21,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from numerics import rel
 from redraft.kernels.attention import AttentionMetadata, block_causal_visible, paged_attention_torch  # noqa: E402
 
 triton_attn = pytest.importorskip("redraft.kernels.attention_triton")
@@ -88,11 +89,6 @@ class Batch:
         return out, kc, vc
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 # Windows (q_start, q_len): prompt prefill ending mid-block, prefill of whole blocks, denoising steps of one
 # block at various depths, multi-block windows (MBE / a stale block + the active one), a prefill chunk
 # continuing a cached prefix, and a window ending mid-block after a prefix.
@@ -109,10 +105,10 @@ def test_matches_torch_twin(dtype, group):
     out, kc, vc = batch.run_triton()
     assert not out.isnan().any(), "the kernel left output elements unwritten (or read poisoned rows)"
     ref64, kc64, vc64 = batch.run_torch(torch.float64)
-    err = rel_err(out, ref64)
+    err = rel(out, ref64)
     assert err < TOL[dtype], f"relative error {err:.2e} vs float64"
     twin, kc_twin, vc_twin = batch.run_torch()
-    assert err <= max(TOL[dtype] / 3, 3 * rel_err(twin, ref64)), "much less accurate than the torch twin"
+    assert err <= max(TOL[dtype] / 3, 3 * rel(twin, ref64)), "much less accurate than the torch twin"
     # The caches after the call: the same new K/V rows stored, every other row (NaN poison included) untouched.
     torch.testing.assert_close(kc, kc_twin, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(vc, vc_twin, rtol=0, atol=0, equal_nan=True)
@@ -156,7 +152,7 @@ def test_padding_rows_on_a_shared_scratch_page():
     ref, kc_ref, vc_ref = batch.run_torch(torch.float64)
     n = batch.real_rows
     assert not out[:n].isnan().any()
-    assert rel_err(out[:n], ref[:n]) < TOL[torch.float32]
+    assert rel(out[:n], ref[:n]) < TOL[torch.float32]
     keep = torch.ones(kc.shape[0], dtype=torch.bool)
     keep[batch.scratch] = False
     torch.testing.assert_close(kc[keep].double(), kc_ref[keep], rtol=0, atol=0, equal_nan=True)

@@ -27,15 +27,6 @@ SEEDS = (0, 1, 2)
 PRESETS = {"S": (0.5, 0.0, 16), "Q": (0.7, 0.5, 16)}  # model card: threshold, edit_threshold, max_post_steps
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _few_threads() -> Iterator[None]:
-    # Tiny matmuls: with 2 OpenMP threads on a busy shared machine a forward takes 100x longer.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def read_special_ids(model_dir: Path) -> tuple[int, int]:
     """(mask_id, eos_id) read straight from tokenizer_config.json + tokenizer.json (no redraft code)."""
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())

@@ -36,14 +36,6 @@ PROMPT_LENGTHS = (1, 31, 32, 33, 100)
 MAX_NEW_TOKENS = 4  # the whole block is still decoded; few tokens keep the interpreter's work small
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _few_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-seed0", seed=0)

@@ -25,6 +25,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from numerics import cos, rel
 from redraft.kernels import fp8 as q  # noqa: E402
 from redraft.kernels.moe import moe_experts_torch, swiglu  # noqa: E402
 
@@ -36,22 +37,6 @@ pytestmark = pytest.mark.kernels
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not ft.interpreting():
     pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _few_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
 
 
 # ---- quantisation -------------------------------------------------------------------------------------

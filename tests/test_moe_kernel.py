@@ -26,6 +26,7 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from numerics import rel
 from redraft.kernels.moe import moe_experts_torch, route_torch, swiglu  # noqa: E402
 
 mt = pytest.importorskip("redraft.kernels.moe_triton")
@@ -36,18 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not mt.interpreting():
     pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module", allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _few_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 # ---- routing ------------------------------------------------------------------------------------------

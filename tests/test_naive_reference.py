@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -25,14 +25,6 @@ from naive_llada2 import (
     rotary_cos_sin,
     route,
 )
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny matmuls: with 2 OpenMP threads on a busy shared machine a forward takes 100x longer.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from live_server import RedraftServer
+from live_server import RedraftServer, assert_error_shape
 from redraft.engine.tiny import make_tiny_checkpoint
 from redraft.engine.tokenizer import LLADA2_SPECIAL_TOKENS, Tokenizer
 
@@ -88,19 +88,6 @@ def http(server: RedraftServer) -> httpx.Client:
 # ---- helpers ---------------------------------------------------------------------------------------------------
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
-
-
-def assert_error_shape(resp: httpx.Response, status: int | None = None) -> dict:
-    if status is not None:
-        assert resp.status_code == status, (resp.status_code, resp.text[:500])
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert isinstance(err["type"], str) and err["type"], err
-    assert err["param"] is None or isinstance(err["param"], str), err
-    return err
 
 
 def sse_payloads(resp: httpx.Response) -> list[Any]:

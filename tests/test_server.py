@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 import redraft
-from live_server import RedraftServer as ServerProcess, still_running
+from live_server import RedraftServer as ServerProcess, assert_error_shape, still_running
 from redraft.engine.tiny import make_tiny_checkpoint
 
 MODEL_LEN = 4096  # max_position_embeddings of the tiny config
@@ -79,17 +79,6 @@ def _run(coro, timeout: float = 120.0):
 def _client(server: ServerProcess, timeout: float = REQUEST_TIMEOUT_S) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
     return httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits)
-
-
-def _assert_error_shape(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, (resp.status_code, resp.text)
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert isinstance(err["type"], str) and err["type"], err
-    return err
 
 
 def _metric(text: str, name: str) -> float:
@@ -250,7 +239,7 @@ def test_full_queue_answers_503_at_once(tight_server, engine):
     assert len(ok) + len(full) == len(prompts), [r.status_code for r, _ in results]
     assert ok and full, [r.status_code for r, _ in results]
     for r, _ in full:
-        err = _assert_error_shape(r, 503)
+        err = assert_error_shape(r, 503)
         assert err["code"] == "queue_full"
     # "at once": every refusal came back before the quickest accepted request could finish
     assert max(dt for _, dt in full) < min(dt for _, _, dt in ok)
@@ -292,7 +281,7 @@ def test_full_queue_refuses_streams_and_plain_requests_while_busy(tight_server):
 
     plain, streamed, refused_in, rest, queued_resp = _run(main())
     for r in (plain, streamed):
-        assert _assert_error_shape(r, 503)["code"] == "queue_full"
+        assert assert_error_shape(r, 503)["code"] == "queue_full"
     assert refused_in < 2.0
     chunks, done = _parse_sse(rest)
     assert done and chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
@@ -325,10 +314,10 @@ def test_dead_engine_gives_503_at_once_and_unhealthy(ckpt, tmp_path_factory, req
 
     probes, streamed, health = _run(main(), timeout=60.0)
     for r, dt in probes:
-        _assert_error_shape(r, 503)
+        assert_error_shape(r, 503)
         assert dt < 1.5, f"{r.request.url.path} took {dt:.2f}s to answer after the engine died"
-    _assert_error_shape(streamed, 503)
-    _assert_error_shape(health, 503)
+    assert_error_shape(streamed, 503)
+    assert_error_shape(health, 503)
     assert not still_running(eng, srv.seen_descendants[eng])
 
 
@@ -400,7 +389,7 @@ def test_bad_requests_are_400_with_the_error_shape(server):
 
     r, aborts, info = _run(main())
     for name, resp in r.items():
-        err = _assert_error_shape(resp, 400)
+        err = assert_error_shape(resp, 400)
         assert err["type"] == "invalid_request_error", (name, err)
     assert r["json"].json()["error"]["param"] is None
     assert r["field"].json()["error"]["param"] == "bogus"
