@@ -336,13 +336,13 @@ def _prompt(rng: torch.Generator, n: int, vocab: int, avoid: set[int]) -> list[i
 def _decode_items(engine, n: int, context: int, rng):
     """Admit n requests with `context`-token prompts and step them until the batch is n plain denoising steps
     (one block each). Returns the WorkItems; timing runner.run(items) repeatedly leaves their state as is."""
-    from redraft.engine.sampling_params import SamplingParams
+    from redraft.protocol.sampling_params import SamplingParams
 
     avoid = {engine.tokenizer.mask_token_id, engine.tokenizer.eos_token_id}
     params = SamplingParams.from_dict({"max_new_tokens": 8 * BLOCK, "temperature": 0.0, "mode": "S"})
     sched = engine.scheduler
-    for _ in range(n):
-        sched.add_request(engine.make_request(_prompt(rng, context, engine.model_config.vocab_size, avoid), params))
+    for i in range(n):
+        engine.core.add_request(f"bench-{i}", _prompt(rng, context, engine.model_config.vocab_size, avoid), params)
     for _ in range(10_000):
         items = sched.schedule()
         if len(items) == n and all(it.decodes and it.first == it.last for it in items):
@@ -354,12 +354,14 @@ def _decode_items(engine, n: int, context: int, rng):
 def _clear(engine) -> None:
     sched = engine.scheduler
     for req in list(sched.running) + list(sched.waiting):
-        sched.abort(req.rid)
-    sched.drain_updates()
+        engine.core.abort(req.rid)
+    engine.core.step()  # nothing runs: reports (and forgets) the aborted requests
     sched.flush_cache()
 
 
 def bench_steps(engine, args, bw: float, cfg) -> list[dict]:
+    from redraft.engine.model_runner import build_forward_batch
+
     runner = engine.runner
     graphs = runner.graphs
     if graphs is None:
@@ -368,9 +370,10 @@ def bench_steps(engine, args, bw: float, cfg) -> list[dict]:
     rows = []
     for n in args.batches:
         items = _decode_items(engine, n, args.context, rng)
+        batch = build_forward_batch(items, BLOCK)
         with torch.inference_mode():
-            eager_logits = runner._forward_eager(items)[0].clone()
-            graph_logits = graphs.run(items).clone()
+            eager_logits = runner._forward_eager(items, batch)[0].clone()
+            graph_logits = graphs.run(batch).clone()
         identical = bool(torch.equal(eager_logits, graph_logits))
         max_diff = float((eager_logits - graph_logits).abs().max())
         del eager_logits, graph_logits
@@ -378,7 +381,7 @@ def bench_steps(engine, args, bw: float, cfg) -> list[dict]:
         eager = _time(lambda _: runner.run(items), args.iters, args.warmup)
         runner.graphs = graphs
         graph = _time(lambda _: runner.run(items), args.iters, args.warmup)
-        fwd = _time(lambda _: graphs.run(items), args.iters, args.warmup)
+        fwd = _time(lambda _: graphs.run(batch), args.iters, args.warmup)
         need = step_bytes(cfg, n, args.context, torch.finfo(getattr(torch, args.dtype)).bits // 8)
         rows.append({"batch": n, "context": args.context, "eager_ms": eager, "graph_ms": graph,
                      "graph_forward_ms": fwd, "speedup": eager / graph, "floor_ms": need["total"] / bw * 1e3,
@@ -446,15 +449,14 @@ def bench_attention(cfg, args, bw: float, l2_bytes: int) -> list[dict]:
 
 
 def bench_prefill(engine, args, cfg, mm_rate: float, bw: float) -> list[dict]:
-    from redraft.engine.sampling_params import SamplingParams
+    from redraft.protocol.sampling_params import SamplingParams
 
     rng = torch.Generator().manual_seed(args.seed + 1)
     avoid = {engine.tokenizer.mask_token_id, engine.tokenizer.eos_token_id}
     rows = []
     for tokens in args.prefill:
         params = SamplingParams.from_dict({"max_new_tokens": BLOCK, "temperature": 0.0, "mode": "S"})
-        req = engine.make_request(_prompt(rng, tokens, cfg.vocab_size, avoid), params)
-        engine.scheduler.add_request(req)
+        engine.core.add_request(f"prefill-{tokens}", _prompt(rng, tokens, cfg.vocab_size, avoid), params)
         items = engine.scheduler.schedule()
         assert len(items) == 1 and items[0].first == 0 and items[0].decodes, "prefill did not fit one pass"
         window = (items[0].last + 1) * BLOCK

@@ -213,7 +213,8 @@ def bench_layer(cfg, args, bw: float) -> list[dict]:
 # ---- the denoising step, bf16 vs FP8 ------------------------------------------------------------------
 def _fast_dummy_init(model, seed: int = 0) -> None:
     """Random weights drawn on the model's device; e4m3 parameters get quantised random ones."""
-    from redraft.kernels.fp8 import FP8_DTYPE, quantize_into
+    from redraft.engine.fp8_model import quantize_into
+    from redraft.kernels.fp8 import FP8_DTYPE
 
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -258,6 +259,8 @@ def bench_step(args, cfg_name: str) -> list[dict]:
     gs.DEVICE = DEVICE
     rows = []
     dtype = "bfloat16" if DEVICE.type == "cuda" else "float32"
+    from redraft.engine.model_runner import build_forward_batch
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = gs.write_model_dir(Path(tmp) / f"llada2.1-{cfg_name}-dummy", cfg_name)
         for quant in (None, "fp8"):
@@ -269,8 +272,9 @@ def bench_step(args, cfg_name: str) -> list[dict]:
             rng = torch.Generator().manual_seed(args.seed)
             items = gs._decode_items(engine, 1, args.context, rng)
             runner = engine.runner
+            batch = build_forward_batch(items, gs.BLOCK)
             step = _time(lambda: runner.run(items), args.iters, args.warmup)
-            fwd = _time(lambda: runner.graphs.run(items), args.iters, args.warmup)
+            fwd = _time(lambda: runner.graphs.run(batch), args.iters, args.warmup)
             weight_bytes = sum(t.numel() * t.element_size() for t in
                                list(engine.model.parameters()) + list(engine.model.buffers()))
             rows.append({"weights": quant or "bf16", "batch": 1, "context": args.context, "step_ms": step,

@@ -267,7 +267,7 @@ def prepare_checkpoint(args: argparse.Namespace, workdir: Path) -> tuple[str | N
 class LaunchedServer:
     """`redraft serve` as a child process on a free loopback port; stopped with SIGTERM (then SIGKILL)."""
 
-    def __init__(self, args: argparse.Namespace, workdir: Path):
+    def __init__(self, args: argparse.Namespace, workdir: Path, env: dict[str, str] | None = None):
         model, load_format = prepare_checkpoint(args, workdir)
         model = args.model or model
         load_format = args.load_format or load_format
@@ -285,7 +285,7 @@ class LaunchedServer:
         self.log_path = Path(args.server_log) if args.server_log else workdir / "server.log"
         self._log = open(self.log_path, "w")
         tqdm.write(f"launching: {shlex.join(cmd)}  (log: {self.log_path})")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

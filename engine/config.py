@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-BLOCK_SIZE = 32  # LLaDA2.1 decodes in blocks of 32 tokens; one KV page holds exactly one block.
+from redraft.protocol.sampling_params import BLOCK_SIZE  # noqa: F401 - defined once, re-exported for the model side
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from redraft.kernels.attention import AttentionMetadata
 from redraft.kernels.moe import compute_dtype
 
 if TYPE_CHECKING:
-    from redraft.engine.model_runner import ModelRunner
+    from redraft.engine.model_runner import ForwardBatch, ModelRunner
     from redraft.scheduler.scheduler import WorkItem
 
 log = logging.getLogger("redraft.cuda_graphs")
@@ -183,22 +183,23 @@ class DecodeGraphs:
         out.copy_(self.model.lm_head(hidden.view(bs, self.b, -1)))
         return out
 
-    def _fill(self, items: list["WorkItem"], bs: int) -> None:
-        """This step's inputs into rows [0, N) of the static buffers; rows [N, bs) become padding."""
-        b, n = self.b, len(items)
+    def _fill(self, batch: "ForwardBatch", bs: int) -> None:
+        """This step's inputs (built by model_runner.build_forward_batch, as for the eager path) into rows
+        [0, N) of the static buffers; rows [N, bs) become padding."""
+        b, n = self.b, len(batch.q_starts)
         ar = torch.arange(b)
-        starts = torch.tensor([it.first * b for it in items] + [0] * (bs - n), dtype=torch.long)  # [bs]
-        mp = max(it.last + 1 for it in items)
-        table = torch.full((bs, mp), self.scratch, dtype=torch.long)
-        ids = torch.full((bs, b), self.runner.mask_id, dtype=torch.long)
-        for i, it in enumerate(items):
-            table[i, : it.last + 1] = torch.tensor(it.req.pages[: it.last + 1], dtype=torch.long)
-            ids[i] = torch.tensor(it.req.tokens[it.first * b : (it.last + 1) * b], dtype=torch.long)
+        starts = torch.tensor(batch.q_starts + [0] * (bs - n), dtype=torch.long)  # [bs]
+        max_pages = max(len(t) for t in batch.page_tables)
+        table = torch.full((bs, max_pages), self.scratch, dtype=torch.long)
+        for i, pages in enumerate(batch.page_tables):
+            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        ids = torch.full((bs * b,), self.runner.mask_id, dtype=torch.long)
+        ids[: n * b] = batch.input_ids  # every item is one block of b query tokens
         active_page = table[torch.arange(bs), starts // b]  # [bs] (padding rows: the scratch page)
-        self.input_ids[: bs * b].copy_(ids.flatten())
+        self.input_ids[: bs * b].copy_(ids)
         self.positions[: bs * b].copy_((starts[:, None] + ar[None, :]).flatten())
         self.slot_mapping[: bs * b].copy_((active_page[:, None] * b + ar[None, :]).flatten())
-        self.page_tables[:bs, :mp].copy_(table)
+        self.page_tables[:bs, :max_pages].copy_(table)
         self.q_starts[:bs].copy_(starts)
         self.kv_lens[:bs].copy_(starts + b)
 
@@ -237,11 +238,11 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for the denoising step at batch sizes %s", self.buckets)
 
     @torch.inference_mode()
-    def run(self, items: list["WorkItem"]) -> torch.Tensor:
+    def run(self, batch: "ForwardBatch") -> torch.Tensor:
         """Logits [N, B, V] of one denoising step; valid until the next call (graph outputs are reused)."""
-        n = len(items)
+        n = len(batch.q_starts)
         bs = self.bucket(n)
-        self._fill(items, bs)
+        self._fill(batch, bs)
         if self.capture_graphs:
             self.graphs[bs].replay()
         else:

@@ -6,8 +6,8 @@ One forward proposes a token for every position of each request's active block; 
     T2T: already-placed, non-prompt positions whose proposal differs from the current token and has
          p > edit_threshold are replaced (strict >).
 Both come from the same forward. Everything here is tensor ops over [N, B] (no per-request Python loop).
-The MASK id is never a proposal: its logit is dropped first. (A trained LLaDA2 never puts mass there; a
-model that did would leave its position masked and could stall a block forever.)
+The MASK id is never a proposal: its logit is dropped first (`exclude_mask_`). (A trained LLaDA2 never puts
+mass there; a model that did would leave its position masked and could stall a block forever.)
 """
 
 from __future__ import annotations
@@ -99,6 +99,13 @@ class StepResult:
     had_mask: torch.Tensor  # [N] bool: the block held a mask before the step
 
 
+def exclude_mask_(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """MASK's logit to -inf, in place (for the owner of a scratch logits tensor: the model runner, whose
+    logprobs then describe the same distribution the step decides on)."""
+    logits[..., mask_id] = float("-inf")
+    return logits
+
+
 def joint_threshold_step(
     logits: torch.Tensor,  # [N, B, V]
     block: torch.Tensor,  # [N, B] current tokens of each active block
@@ -107,8 +114,12 @@ def joint_threshold_step(
     edit_threshold: torch.Tensor,  # [N]
     mask_id: int,
     sampling: SamplingBatch | None = None,
+    mask_excluded: bool = False,
 ) -> StepResult:
-    logits[..., mask_id] = float("-inf")  # in place: the caller's logits are scratch
+    """The step on `logits`, which it never modifies (mask_excluded=True: the caller already applied
+    exclude_mask_, which saves a copy of the logits)."""
+    if not mask_excluded:
+        logits = exclude_mask_(logits.clone(), mask_id)
     v, p = propose(logits, sampling)
     masked = (block == mask_id) & editable  # [N, B]
     m2t = masked & (p > threshold[:, None].to(p.dtype))

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from redraft.engine.config import ModelConfig
 from redraft.engine.model import LLaDA2Model
+from redraft.engine import fp8_model
 from redraft.kernels import fp8 as fp8q
 
 log = logging.getLogger("redraft.loader")
@@ -99,13 +100,13 @@ def expected_tensors(cfg: ModelConfig, fp8_checkpoint: bool = False) -> dict[str
     if fp8_checkpoint:
         for name, target in list(t.items()):
             try:
-                seg = fp8q.fp8_segment_rows(cfg, target.param)
+                seg = fp8_model.fp8_segment_rows(cfg, target.param)
             except KeyError:
                 continue  # not quantised (embeddings, lm_head, norms, router, biases)
             n, k = target.shape
-            t[name + SCALE_SUFFIX] = Target(fp8q.scale_name(target.param), (fp8q.cdiv(n, fp8q.BLOCK),
+            t[name + SCALE_SUFFIX] = Target(fp8_model.scale_name(target.param), (fp8q.cdiv(n, fp8q.BLOCK),
                                                                              fp8q.cdiv(k, fp8q.BLOCK)),
-                                            fp8q.scale_index(target.index, seg))
+                                            fp8_model.scale_index(target.index, seg))
     return t
 
 
@@ -158,7 +159,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
         with torch.device("meta"):
             model = LLaDA2Model(cfg)
             if quantization == "fp8":
-                fp8q.convert_model_fp8(model)
+                fp8_model.convert_model_fp8(model)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -196,7 +197,7 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
                 if tensor.dtype == fp8q.FP8_DTYPE and view.dtype != fp8q.FP8_DTYPE:
                     raise CheckpointError(f"tensor {name!r} is float8 but {target.param} is not a quantised weight")
                 if view.dtype == fp8q.FP8_DTYPE and tensor.dtype != fp8q.FP8_DTYPE:
-                    fp8q.quantize_into(model, target.param, tensor, target.index)  # bf16/fp32 -> e4m3 + scales
+                    fp8_model.quantize_into(model, target.param, tensor, target.index)  # bf16/fp32 -> e4m3 + scales
                     quantized.add(name)
                 else:
                     view.copy_(tensor.to(device=view.device, dtype=view.dtype))
@@ -225,7 +226,7 @@ def init_dummy_weights(model: LLaDA2Model, seed: int = 0) -> None:
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         elif p.dtype == fp8q.FP8_DTYPE:  # e4m3 weights: quantise full-precision random ones
-            fp8q.quantize_into(model, name, torch.randn(p.shape, generator=gen) * 0.02)
+            fp8_model.quantize_into(model, name, torch.randn(p.shape, generator=gen) * 0.02)
         else:
             p.data.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
     for layer in model.layers:

@@ -1,27 +1,101 @@
 """Runs one forward for a whole batch of request windows and applies the decoding step to every request.
 
-Owns the model and the KV cache tensors (pages are allocated by the scheduler's PagePool; this class only
-reads/writes the rows the page ids point at).
+Owns the model, the KV cache tensors (pages are allocated by the scheduler's PagePool; this class only
+reads/writes the rows the page ids point at) and the per-slot decoding state: each running request holds a
+slot (`Request.slot`, given by the scheduler), and the tensors below keep, per slot, its active block's tokens,
+which of them may be edited, and its thresholds and sampling settings. A slot's row is loaded from the request
+when its block begins (`Request.block_version` changes) and updated in place by each step, so a steady-state
+step builds no per-request Python lists for the decoding step.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+
 import torch
 
-from redraft.engine.config import BLOCK_SIZE, ModelConfig
-from redraft.engine.decoding import SamplingBatch, StepResult, joint_threshold_step
+from redraft.engine.config import ModelConfig
+from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, joint_threshold_step
 from redraft.engine.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
+from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.scheduler.request import Request
-from redraft.scheduler.scheduler import DecodeOutput, WorkItem
+from redraft.scheduler.scheduler import StepOutput, WorkItem
 
 log = logging.getLogger("redraft.runner")
 
 
+@dataclass
+class ForwardBatch:
+    """The inputs of one forward, on the host: what both the eager path and the CUDA-graph path consume."""
+
+    input_ids: torch.Tensor  # [T] flat query tokens
+    q_starts: list[int]  # [N] first query position of each item
+    q_lens: list[int]  # [N]
+    page_tables: list[list[int]]  # [N][pages through the item's last block]
+
+
+def build_forward_batch(items: list[WorkItem], block_size: int) -> ForwardBatch:
+    """Every item's window: blocks [first, last] of its tokens, with its page table through `last`."""
+    q_starts, q_lens, tables, ids = [], [], [], []
+    for it in items:
+        start, end = it.first * block_size, (it.last + 1) * block_size
+        q_starts.append(start)
+        q_lens.append(end - start)
+        tables.append(it.req.pages[: it.last + 1])
+        ids.extend(it.req.tokens[start:end])
+    return ForwardBatch(torch.tensor(ids, dtype=torch.long), q_starts, q_lens, tables)
+
+
+class SlotState:
+    """Per-slot decoding state on the device, indexed by Request.slot: [S, ...] tensors, S = running slots."""
+
+    def __init__(self, num_slots: int, block_size: int, device: torch.device):
+        s, b = num_slots, block_size
+        self.block_size = block_size
+        self.tokens = torch.zeros(s, b, dtype=torch.long, device=device)  # [S, B] the active block
+        self.editable = torch.zeros(s, b, dtype=torch.bool, device=device)  # [S, B] False on prompt positions
+        self.block_start = torch.zeros(s, dtype=torch.long, device=device)  # [S] absolute position of the block
+        self.steps = torch.zeros(s, dtype=torch.long, device=device)  # [S] the request's denoising steps
+        self.threshold = torch.zeros(s, dtype=torch.float64, device=device)
+        self.edit_threshold = torch.zeros(s, dtype=torch.float64, device=device)
+        self.temperature = torch.zeros(s, dtype=torch.float64, device=device)
+        self.top_k = torch.zeros(s, dtype=torch.long, device=device)
+        self.top_p = torch.ones(s, dtype=torch.float64, device=device)
+        self.seed = torch.zeros(s, dtype=torch.long, device=device)
+        self._owner: list[tuple[str, int] | None] = [None] * s  # (rid, block_version) each row was loaded for
+
+    def load(self, reqs: list[Request]) -> torch.Tensor:
+        """Rows of these requests, (re)loaded where a block began since; returns their slot ids [N]."""
+        for r in reqs:
+            if self._owner[r.slot] != (r.rid, r.block_version):
+                self._load_row(r)
+        return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.tokens.device)
+
+    def _load_row(self, r: Request) -> None:
+        i, p, b = r.slot, r.params, self.block_size
+        start = r.active_block * b
+        self.tokens[i] = torch.tensor(r.active_tokens(), dtype=torch.long)
+        self.editable[i] = torch.arange(start, start + b) >= r.prompt_len
+        self.block_start[i] = start
+        self.steps[i] = r.stats.steps
+        self.threshold[i], self.edit_threshold[i] = p.threshold, p.edit_threshold
+        self.temperature[i], self.top_k[i], self.top_p[i] = p.temperature, p.top_k, p.top_p
+        self.seed[i] = p.seed or 0
+        self._owner[i] = (r.rid, r.block_version)
+
+    def sampling(self, slots: torch.Tensor) -> SamplingBatch:
+        ar = torch.arange(self.block_size, device=slots.device)
+        return SamplingBatch(
+            temperature=self.temperature[slots], top_k=self.top_k[slots], top_p=self.top_p[slots],
+            seeds=self.seed[slots], steps=self.steps[slots], positions=self.block_start[slots, None] + ar[None, :],
+        )
+
+
 class ModelRunner:
-    def __init__(self, model: LLaDA2Model, num_pages: int, mask_id: int, device: str | torch.device,
-                 cuda_graph_max_bs: int = 0):
+    def __init__(self, model: LLaDA2Model, num_pages: int, num_slots: int, mask_id: int,
+                 device: str | torch.device, cuda_graph_max_bs: int = 0):
         cfg: ModelConfig = model.cfg
         self.model = model
         self.cfg = cfg
@@ -35,6 +109,7 @@ class ModelRunner:
         shape = (cfg.num_hidden_layers, num_pages + 1, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P + 1, B, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.slots = SlotState(num_slots, BLOCK_SIZE, self.device)
         log.info(
             "KV cache: %d pages x %d tokens (%.1f MiB)",
             num_pages, BLOCK_SIZE, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
@@ -60,42 +135,37 @@ class ModelRunner:
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
     @torch.inference_mode()
-    def run(self, items: list[WorkItem]) -> DecodeOutput:
+    def run(self, items: list[WorkItem]) -> StepOutput:
+        """One forward over every item's window, then the decoding step for the items that decode."""
+        batch = build_forward_batch(items, self.block_size)
         if self.graphs is not None and self.graphs.can_run(items):
-            logits = self.graphs.run(items)  # [N, B, V]: every item decodes its one active block
+            logits = self.graphs.run(batch)  # [N, B, V]: every item decodes its one active block
             decoding = list(range(len(items)))
         else:
-            logits, decoding = self._forward_eager(items)
+            logits, decoding = self._forward_eager(items, batch)
             if not decoding:
-                return DecodeOutput()
+                return StepOutput()
+        exclude_mask_(logits, self.mask_id)  # our scratch: the step and the logprobs both read it this way
         reqs = [items[i].req for i in decoding]
-        result = self._step(logits, reqs)
-        out = DecodeOutput(
+        slots = self.slots.load(reqs)
+        result = self._step(logits, slots, reqs)
+        out = StepOutput(
             tokens=result.tokens.tolist(),
             had_mask=result.had_mask.tolist(),
             m2t=result.m2t.sum(-1).tolist(),
             t2t=result.t2t.sum(-1).tolist(),
         )
-        wants = [r.params.params.logprobs or r.params.params.top_logprobs > 0 for r in reqs]
+        wants = [r.params.wants_logprobs for r in reqs]
         if any(wants):
             self._logprobs(logits, result.tokens, reqs, wants, out)
         return out
 
-    def _forward_eager(self, items: list[WorkItem]) -> tuple[torch.Tensor | None, list[int]]:
-        """Any batch: one forward over every item's window; logits [N, B, V] of the decoding items' blocks."""
+    def _forward_eager(self, items: list[WorkItem], batch: ForwardBatch) -> tuple[torch.Tensor | None, list[int]]:
+        """Any batch; logits [N, B, V] of the decoding items' active blocks."""
         b = self.block_size
-        q_starts, q_lens, tables, ids = [], [], [], []
-        for it in items:
-            start, end = it.first * b, (it.last + 1) * b
-            q_starts.append(start)
-            q_lens.append(end - start)
-            tables.append(it.req.pages[: it.last + 1])
-            ids.extend(it.req.tokens[start:end])
-        meta = AttentionMetadata.build(q_starts, q_lens, tables, b, self.device,
+        meta = AttentionMetadata.build(batch.q_starts, batch.q_lens, batch.page_tables, b, self.device,
                                        with_torch_plan=self.model.kernel_backend == "torch")
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.k_cache, self.v_cache)  # [T, H]
-
+        hidden = self.model(batch.input_ids.to(self.device), meta, self.k_cache, self.v_cache)  # [T, H]
         decoding = [i for i, it in enumerate(items) if it.decodes]
         if not decoding:
             return None, decoding
@@ -103,45 +173,32 @@ class ModelRunner:
         rows = ends[:, None] - b + torch.arange(b, device=self.device)[None, :]  # [N, B]
         return self.model.logits(hidden[rows]), decoding  # [N, B, V]
 
+    def _step(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request]) -> StepResult:
+        s = self.slots
+        sampling = s.sampling(slots) if any(r.params.temperature > 0 for r in reqs) else None
+        result = joint_threshold_step(logits, s.tokens[slots], s.editable[slots], s.threshold[slots],
+                                      s.edit_threshold[slots], self.mask_id, sampling, mask_excluded=True)
+        s.tokens[slots] = result.tokens  # the block after this step: next step's input
+        s.steps[slots] += 1
+        return result
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Request], wants: list[bool],
-                  out: DecodeOutput) -> None:
+                  out: StepOutput) -> None:
         """Log-probabilities of the block's tokens after the step, under this forward's raw distribution
         (no temperature or filtering; MASK excluded), and the top alternatives where asked."""
         rows = [i for i, w in enumerate(wants) if w]
         lp = torch.log_softmax(logits[rows], -1)  # [n, B, V]
         chosen = lp.gather(-1, tokens[rows][..., None]).squeeze(-1).tolist()  # [n, B]
-        k = max(reqs[i].params.params.top_logprobs for i in rows)
+        k = max(reqs[i].params.top_logprobs for i in rows)
         top_v, top_i = lp.topk(k, -1) if k else (None, None)
         out.logprobs = [None] * len(reqs)
         out.top_logprobs = [None] * len(reqs)
         for j, i in enumerate(rows):
             out.logprobs[i] = chosen[j]
-            ki = reqs[i].params.params.top_logprobs
+            ki = reqs[i].params.top_logprobs
             if ki and top_v is not None:
                 ids, vals = top_i[j, :, :ki].tolist(), top_v[j, :, :ki].tolist()
                 out.top_logprobs[i] = [list(zip(a, b)) for a, b in zip(ids, vals)]
             else:
                 out.top_logprobs[i] = [[] for _ in range(len(chosen[j]))]
-
-    def _step(self, logits: torch.Tensor, reqs: list[Request]) -> StepResult:
-        dev = self.device
-        block = torch.tensor([r.active_tokens() for r in reqs], dtype=torch.long, device=dev)  # [N, B]
-        editable = torch.tensor([r.editable_mask() for r in reqs], dtype=torch.bool, device=dev)
-        threshold = torch.tensor([r.params.threshold for r in reqs], dtype=torch.float64, device=dev)
-        edit_threshold = torch.tensor([r.params.edit_threshold for r in reqs], dtype=torch.float64, device=dev)
-        sampling = None
-        if any(r.params.params.temperature > 0 for r in reqs):
-            p = [r.params.params for r in reqs]
-            sampling = SamplingBatch(
-                temperature=torch.tensor([x.temperature for x in p], dtype=torch.float64, device=dev),
-                top_k=torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
-                top_p=torch.tensor([x.top_p for x in p], dtype=torch.float64, device=dev),
-                seeds=torch.tensor([x.seed or 0 for x in p], dtype=torch.long, device=dev),
-                steps=torch.tensor([r.stats.steps for r in reqs], dtype=torch.long, device=dev),
-                positions=torch.tensor(
-                    [[r.active_block * self.block_size + i for i in range(self.block_size)] for r in reqs],
-                    dtype=torch.long, device=dev,
-                ),
-            )
-        return joint_threshold_step(logits, block, editable, threshold, edit_threshold, self.mask_id, sampling)

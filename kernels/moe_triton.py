@@ -50,7 +50,6 @@ each there), big tiles (its cost is per operation, not per element).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -64,9 +63,6 @@ if HAS_TRITON:
     import triton.language as tl
 else:  # pragma: no cover
     triton = tl = None
-
-if TYPE_CHECKING:  # pragma: no cover
-    from redraft.engine.model import MoE
 
 __all__ = ["route_triton", "route_logits_triton", "moe_align", "MoEPlan", "fused_moe", "unfused_moe",
            "moe_forward_triton", "fused_config", "FUSED_BUFFER_SHARE"]
@@ -680,7 +676,7 @@ def use_fused(n_tokens: int, k_out: int, n_experts: int, hidden: int, inter: int
 
 
 # ---- the MoE layer ------------------------------------------------------------------------------------
-def folded_shared(moe: "MoE") -> SharedExpert | None:
+def folded_shared(moe: torch.nn.Module) -> SharedExpert | None:
     """The MoE's shared expert as one more expert, when it has the routed experts' shape (LLaDA2: always)."""
     sh = moe.shared
     if sh is None or tuple(sh.gate_up.shape) != tuple(moe.w13.shape[1:]) or sh.gate_up.dtype != moe.w13.dtype:
@@ -688,7 +684,7 @@ def folded_shared(moe: "MoE") -> SharedExpert | None:
     return SharedExpert(sh.gate_up, sh.down, getattr(sh, "gate_up_scale", None), getattr(sh, "down_scale", None))
 
 
-def moe_forward_triton(moe: "MoE", x: torch.Tensor) -> torch.Tensor:
+def moe_forward_triton(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The whole MoE layer for kernel_backend="triton" (`MoE.impl`): Triton router, fused experts with the
     shared expert folded in, deterministic combine. `moe.moe_method` (default "auto") picks fused/unfused."""
     c = moe.cfg

@@ -6,54 +6,29 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from redraft.protocol.server_args import ServerArgs
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="checkpoint directory (Hugging Face layout); default: the bundled demo model")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"])
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: e4m3 weights with a float32 scale per 128x128 block, quantised at load (FP8 checkpoints "
-                        "with a DeepSeek-style quantization_config load as FP8 without it); lm_head stays in --dtype")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache capacity in tokens")
-    p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--default-mode", default="Q", choices=["S", "Q", "auto"])
-    p.add_argument("--cuda-graph-max-bs", type=int, default=64, help="largest batch replayed from a CUDA graph")
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads on CPU (default: torch's choice; 1 is best on a busy machine)")
-    p.add_argument("--log-level", default="info")
 
+def engine_args(args: argparse.Namespace) -> "ServerArgs":
+    from redraft.protocol.server_args import ServerArgs
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        device=args.device,
-        dtype=args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
-        kernel_backend=args.kernel_backend,
-        quantization=args.quantization,
-        load_format=args.load_format,
-        max_total_tokens=args.max_total_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        default_mode=args.default_mode,
-        cpu_threads=args.cpu_threads,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_cuda_graph=args.disable_cuda_graph,
-    )
+    return ServerArgs.from_cli(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from redraft.engine.engine import Engine
 
-    engine = Engine(args.model, **engine_kwargs(args))
+    engine = Engine(server_args=engine_args(args))
     if args.raw:
         prompt_ids = engine.tokenizer.encode(args.prompt)
     else:
         prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
-    for key in ("mode", "threshold", "edit_threshold", "max_post_steps", "seed"):
+    params = {}  # what the command line names; the engine resolves the rest (defaults chain)
+    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps", "seed"):
         if getattr(args, key) is not None:
             params[key] = getattr(args, key)
     out = engine.generate(input_ids=prompt_ids, sampling_params=params)
@@ -70,7 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from redraft.server.launch import serve
 
-    return serve(args, engine_kwargs(args))
+    return serve(engine_args(args))
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -91,19 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    srv = sub.add_parser("serve", help="the HTTP server (native /generate; OpenAI routes in progress)")
-    _add_engine_args(srv)
-    from redraft.server.launch import add_serve_args
+    from redraft.protocol.server_args import ServerArgs
 
-    add_serve_args(srv)
+    srv = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible and SGLang-native routes")
+    ServerArgs.add_cli_args(srv, ("engine", "serve"))
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one prompt -> completion, offline")
-    _add_engine_args(gen)
+    ServerArgs.add_cli_args(gen, ("engine",))
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-new-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--mode", choices=["S", "Q", "auto"], default=None)
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--edit-threshold", type=float, default=None)

@@ -2,8 +2,8 @@
 
 Lifecycle of a block b (the official loop, with a paged cache):
     begin:  the block is filled with MASK after any prompt tokens it shares (only the first block does)
-    each iteration, before the forward (`pre_forward`): if the block has no mask, `post += 1`; once
-            `post > max_post_steps` the block ends without a forward. Its last edits came after its last
+    each iteration, before the forward (`pre_forward`): if the block has no mask, `post_steps += 1`; once
+            `post_steps > max_post_steps` the block ends without a forward. Its last edits came after its last
             forward, so its cached K/V are stale: it stays uncached and joins the next block's window.
     after the forward (`apply_step`): the step's result replaces the block; every earlier block in the
             window now has exact K/V. If the block had no mask and nothing was edited, it ends, and the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from redraft.engine.sampling_params import ResolvedParams
+from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams
 
 
 class Status(enum.Enum):
@@ -48,7 +48,6 @@ class DecodeStats:
     m2t: int = 0  # masks filled
     edits: int = 0  # T2T replacements
     blocks: int = 0  # blocks finished
-    cutoffs: int = 0  # blocks ended by max_post_steps (stale K/V, recomputed in the next window)
 
 
 @dataclass
@@ -58,14 +57,14 @@ class Request:
     params: ResolvedParams
     mask_id: int
     eos_id: int
-    block_size: int = 32
+    block_size: int = BLOCK_SIZE
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)  # prompt + generated, through the active block
     active_block: int = -1
     cached_blocks: int = 0  # blocks [0, cached_blocks) have exact K/V in their pages
     prefix_cached_tokens: int = 0  # tokens matched in the prefix cache at admission
     pages: list[int] = field(default_factory=list)  # one KV page per block, through the active block
-    post: int = 0
+    post_steps: int = 0  # mask-free forwards of the active block so far
     finish_reason: FinishReason | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
     # Blocks [0, final_blocks) hold final tokens (prompt blocks, then every ended block).
@@ -86,6 +85,15 @@ class Request:
     # evaluation counts which edits repaired a wrong token); entries of a preempted block are dropped.
     edit_trace: list[tuple[int, int, int]] | None = None
     block_start_trace_len: int = 0
+    # Output tokens already sent to the consumer (outputs are incremental), and a cut of the output set by
+    # an abort that names where the answer ends (a stop string the consumer matched).
+    sent_tokens: int = 0
+    output_limit: int | None = None
+    # The model runner's per-request state lives in row `slot` of its slot tensors (given by the scheduler
+    # while running, -1 otherwise); `block_version` changes whenever the active block (re)starts, which tells
+    # the runner to reload that row.
+    slot: int = -1
+    block_version: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -105,7 +113,7 @@ class Request:
 
     @property
     def last_block(self) -> int:
-        return (self.prompt_len + self.params.params.max_new_tokens - 1) // self.block_size
+        return (self.prompt_len + self.params.max_new_tokens - 1) // self.block_size
 
     @property
     def total_blocks(self) -> int:
@@ -141,10 +149,11 @@ class Request:
             del self.edit_trace[self.block_start_trace_len :]
         self.tokens = self.tokens[: max(self.final_blocks * self.block_size, self.prompt_len)]
         self.active_block = -1
+        self.block_version += 1
         self.block_logprobs = None
         self.cached_blocks = 0
         self.pages = []
-        self.post = 0
+        self.post_steps = 0
 
     def prefix_tokens(self) -> list[int]:
         """The whole final blocks a prefix-cache lookup may match."""
@@ -152,9 +161,10 @@ class Request:
 
     def _begin_block(self, b: int) -> None:
         self.active_block = b
+        self.block_version += 1
         self.block_start_stats = replace(self.stats)
         self.block_start_trace_len = len(self.edit_trace) if self.edit_trace is not None else 0
-        self.post = 0
+        self.post_steps = 0
         end = (b + 1) * self.block_size
         self.tokens = self.tokens[: max(b * self.block_size, self.prompt_len)]
         self.tokens += [self.mask_id] * (end - len(self.tokens))
@@ -162,17 +172,8 @@ class Request:
     def pre_forward(self) -> bool:
         """The check before a forward. Returns False when the active block ends here (no forward)."""
         if self.mask_id not in self.active_tokens():
-            self.post += 1
-        return self.post <= self.params.max_post_steps
-
-    def window_blocks(self, max_tokens: int | None = None) -> tuple[int, int, bool]:
-        """(first, last, decodes) blocks of the next forward. With a token budget too small for the whole
-        window, a prefill chunk of uncached blocks before the active one (decodes=False)."""
-        first, last = self.cached_blocks, self.active_block
-        if max_tokens is not None and (last - first + 1) * self.block_size > max_tokens:
-            n = max(1, max_tokens // self.block_size)
-            return first, min(first + n, last) - 1, False
-        return first, last, True
+            self.post_steps += 1
+        return self.post_steps <= self.params.max_post_steps
 
     def mark_prefilled(self, through_block: int) -> None:
         self.cached_blocks = max(self.cached_blocks, through_block + 1)
@@ -194,10 +195,9 @@ class Request:
             return True
         return False
 
-    def end_block(self, stale: bool) -> FinishReason | None:
+    def end_block(self) -> FinishReason | None:
         """The active block is final. Returns why the request finishes, or None to go on."""
         self.stats.blocks += 1
-        self.stats.cutoffs += int(stale)
         self.final_blocks = self.active_block + 1
         if self.block_logprobs is not None:
             self.final_logprobs[self.active_block] = self.block_logprobs
@@ -212,7 +212,7 @@ class Request:
         return FinishReason("length")
 
     def _stop_ids(self) -> set[int]:
-        p = self.params.params
+        p = self.params
         return set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_id})
 
     def advance(self) -> None:
@@ -220,7 +220,9 @@ class Request:
 
     def output_ids(self) -> list[int]:
         """Generated tokens of the final blocks, cut to max_new_tokens, then through the first EOS/stop token."""
-        end = min(self.final_blocks * self.block_size, self.prompt_len + self.params.params.max_new_tokens)
+        end = min(self.final_blocks * self.block_size, self.prompt_len + self.params.max_new_tokens)
+        if self.output_limit is not None:
+            end = min(end, self.prompt_len + self.output_limit)
         out = self.tokens[self.prompt_len : end]
         stops = self._stop_ids()
         for i, t in enumerate(out):
@@ -228,19 +230,22 @@ class Request:
                 return out[: i + 1]
         return list(out)
 
-    def output_logprobs(self) -> tuple[list[float], list] | None:
-        """(logprob of each output token, top alternatives at each) aligned with output_ids(), or None."""
-        if not self.params.params.logprobs and not self.params.params.top_logprobs:
+    def output_logprobs(self, start: int = 0) -> tuple[list[float], list] | None:
+        """(logprob of each output token, top alternatives at each) for output_ids()[start:], or None when
+        the request did not ask for logprobs. Reads only the blocks that hold those tokens."""
+        if not self.params.wants_logprobs:
             return None
+        n = len(self.output_ids())
         lps: list[float] = []
         tops: list = []
-        for b in range(self.first_block, self.final_blocks):
+        b = (self.prompt_len + start) // self.block_size
+        while b < self.final_blocks and len(lps) < n - start:
             block_lp, block_top = self.final_logprobs.get(b, ([0.0] * self.block_size, [[]] * self.block_size))
-            lo = max(self.prompt_len - b * self.block_size, 0)
+            lo = max(self.prompt_len + start - b * self.block_size, 0)
             lps += block_lp[lo:]
             tops += block_top[lo:]
-        n = len(self.output_ids())
-        return lps[:n], tops[:n]
+            b += 1
+        return lps[: n - start], tops[: n - start]
 
     def finish(self, reason: FinishReason) -> None:
         self.status = Status.FINISHED

@@ -17,8 +17,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
-
+from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.scheduler.page_pool import PagePool
 from redraft.scheduler.radix_cache import RadixCache
 from redraft.scheduler.request import FinishReason, Request, Status
@@ -35,7 +34,7 @@ class RequestTooLarge(ValueError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     num_pages: int
-    block_size: int = 32
+    block_size: int = BLOCK_SIZE
     max_running_requests: int = 256
     max_queued_requests: int | None = None
     max_prefill_tokens: int = 8192  # prefill-chunk token budget per iteration
@@ -60,8 +59,9 @@ class WorkItem:
 
 
 @dataclass
-class DecodeOutput:
-    """The model runner's answer for the decoding items of a batch, in order, as plain lists."""
+class StepOutput:
+    """The model runner's answer for the decoding items of a batch (one denoising step each), in order, as
+    plain lists."""
 
     tokens: list[list[int]] = field(default_factory=list)
     had_mask: list[bool] = field(default_factory=list)
@@ -73,18 +73,15 @@ class DecodeOutput:
     top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
 
 
-StopChecker = Callable[[Request], "FinishReason | None"]
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, stop_checker: StopChecker | None = None):
+    def __init__(self, config: SchedulerConfig):
         self.config = config
         self.pool = PagePool(config.num_pages)
         self.cache = RadixCache(self.pool, config.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.stop_checker = stop_checker
         self._arrivals = itertools.count()
+        self._free_slots = list(range(config.max_running_requests - 1, -1, -1))  # the model runner's rows
         self.num_preemptions = 0
         # Requests whose committed output changed or that finished since the last drain.
         self._updated: dict[str, Request] = {}
@@ -103,17 +100,18 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
 
-    def abort(self, rid: str) -> bool:
-        """Idempotent: aborting an unknown or finished request does nothing and returns False."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self._finish(req, FinishReason("abort"))
-                return True
-        for req in self.running:
-            if req.rid == rid:
-                self._finish(req, FinishReason("abort"))
-                return True
+    def abort(self, rid: str, reason: FinishReason | None = None, keep_tokens: int | None = None) -> bool:
+        """End a request now, as `reason` (default: abort), its output cut to `keep_tokens` if given.
+        Idempotent: aborting an unknown or finished request does nothing and returns False."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    if queue is self.waiting:
+                        self.waiting.remove(req)
+                    if keep_tokens is not None:
+                        req.output_limit = keep_tokens
+                    self._finish(req, reason or FinishReason("abort"))
+                    return True
         return False
 
     def has_work(self) -> bool:
@@ -132,12 +130,12 @@ class Scheduler:
     def schedule(self) -> list[WorkItem]:
         for req in list(self.running):
             while not req.finished and not req.pre_forward():
-                self._end_block(req, stale=True)
+                self._end_block(req)
         self._grow_running()
         self._admit()
         return self._build_batch()
 
-    def update(self, items: list[WorkItem], out: DecodeOutput) -> None:
+    def update(self, items: list[WorkItem], out: StepOutput) -> None:
         decoding = [it for it in items if it.decodes]
         for it in items:
             if not it.decodes and not it.req.finished:
@@ -149,16 +147,14 @@ class Scheduler:
             if out.logprobs and out.logprobs[i] is not None:
                 req.block_logprobs = (out.logprobs[i], out.top_logprobs[i])
             if req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i]):
-                self._end_block(req, stale=False)
+                self._end_block(req)
         for it in items:
             if not it.req.finished:
                 self._cache_exact_blocks(it.req)
 
     # ---- internals --------------------------------------------------------------------------------
-    def _end_block(self, req: Request, stale: bool) -> None:
-        reason = req.end_block(stale)
-        if reason is None and self.stop_checker is not None:
-            reason = self.stop_checker(req)
+    def _end_block(self, req: Request) -> None:
+        reason = req.end_block()
         self._updated[req.rid] = req
         if reason is not None:
             self._finish(req, reason)
@@ -169,6 +165,8 @@ class Scheduler:
         req.finish(reason)
         if req in self.running:
             self.running.remove(req)
+            self._free_slots.append(req.slot)
+            req.slot = -1
         self._release(req)
         self._updated[req.rid] = req
 
@@ -220,6 +218,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._free_slots.append(req.slot)
+        req.slot = -1
         self._release(req)
         req.preempt()
         self.waiting.appendleft(req)
@@ -253,6 +253,7 @@ class Scheduler:
                 req.prefix_cached_tokens = matched * b
                 self.cache.queried_tokens += len(req.prompt_ids)
                 self.cache.hit_tokens += matched * b
+            req.slot = self._free_slots.pop()
             req.start()
             self.running.append(req)
             budget -= (req.active_block - matched) * b

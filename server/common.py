@@ -1,18 +1,23 @@
-"""What every route module shares: the server state, the OpenAI error shape, SSE framing, and the way a
-request is cancelled (and its engine request aborted) when the client goes away."""
+"""What every route module shares: the server state, the OpenAI error shape, SSE framing, the one way a
+request is admitted (`start_streams`: the HTTP status waits until the engine accepted every choice), one
+engine request per output stream (`ChoiceStream`), and the way a request is cancelled (and its engine request
+aborted) when the client goes away."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import Tokenizer
-from redraft.server.engine_client import EngineClient, EngineRejected
+from redraft.protocol.messages import Accepted, RequestOutput
+from redraft.protocol.sampling_params import SamplingParams
+from redraft.server.engine_client import EngineClient, EngineDead, EngineRejected
 from redraft.server.metrics import ServerMetrics
 
 
@@ -59,11 +64,119 @@ class ServerState:
         return int(self.client.info.get("vocab_size", self.tokenizer.vocab_size))
 
 
-def engine_error(exc: Exception) -> APIError:
+def engine_error(exc: Exception, params: dict[str, str] | None = None) -> APIError:
+    """The API error for an engine refusal (its parameter renamed to the route's field by `params`) or for a
+    dead engine."""
     if isinstance(exc, EngineRejected):
         type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
-        return APIError(exc.status, exc.message, type_, code=exc.code)
+        param = (params or {}).get(exc.param or "", exc.param)
+        return APIError(exc.status, exc.message, type_, param=param, code=exc.code)
     return APIError(503, "the engine is not available", "server_error", code="engine_unavailable")
+
+
+def sse_error(exc: Exception) -> str:
+    """An error inside a stream whose HTTP status is already sent: one SSE event in the OpenAI error shape."""
+    if isinstance(exc, APIError):
+        err = exc
+    elif isinstance(exc, (EngineDead, EngineRejected)):
+        err = engine_error(exc)
+    else:
+        err = APIError(500, "internal error while streaming", "server_error")
+    return sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+
+
+class ChoiceStream:
+    """One engine request behind one output (an OpenAI choice, a /generate prompt): accepted first, then one
+    update per committed block, assembled by an OutputStream, which owns the stop strings: when one appears
+    the engine request is ended there at once."""
+
+    def __init__(self, state: "ServerState", rid: str, ids: list[int], params: SamplingParams, index: int):
+        self.state, self.rid, self.index, self.params = state, rid, index, params
+        self._engine = state.client.generate(rid, ids, params)
+        self.out = OutputStream(rid, state.tokenizer, params.stop)
+        self.sent_tokens = 0  # output tokens whose logprobs a stream has sent
+        self.accepted: Accepted | None = None
+
+    async def accept(self) -> None:
+        first = await self._engine.__anext__()
+        assert isinstance(first, Accepted)
+        self.accepted = first
+
+    async def updates(self) -> AsyncIterator[str]:
+        """The text each committed block made certain ("" when none), until the request finishes."""
+        async for msg in self._engine:
+            if not isinstance(msg, RequestOutput):
+                continue
+            delta = self.out.add(msg)
+            stop = self.out.stop_abort()
+            if stop is not None:
+                await self.state.client.abort(stop.rid, stop.finish, stop.keep_tokens)
+            yield delta
+
+    async def run(self) -> OutputStream:
+        async for _ in self.updates():
+            pass
+        return self.out
+
+    async def close(self) -> None:
+        await self._engine.aclose()
+
+
+async def start_streams(state: "ServerState", rids: list[str], prompts: list[list[int]],
+                        params: list[SamplingParams], param_names: dict[str, str] | None = None
+                        ) -> list[ChoiceStream]:
+    """Submit every output's engine request and wait until the engine accepted all of them; otherwise end them
+    all and raise the route's APIError (so that no response status is sent before admission)."""
+    streams = [ChoiceStream(state, rid, ids, p, i) for i, (rid, ids, p) in enumerate(zip(rids, prompts, params))]
+    try:
+        for s in streams:
+            await s.accept()
+    except BaseException as exc:
+        for s in streams:
+            await s.close()
+        if isinstance(exc, (EngineDead, EngineRejected)):
+            raise engine_error(exc, param_names) from exc
+        raise
+    return streams
+
+
+async def run_all(streams: list[ChoiceStream]) -> list[OutputStream]:
+    """Run accepted streams to the end (a dead engine becomes its APIError)."""
+    try:
+        return list(await asyncio.gather(*[s.run() for s in streams]))
+    except (EngineDead, EngineRejected) as exc:
+        raise engine_error(exc) from exc
+    finally:
+        for s in streams:
+            await s.close()
+
+
+async def merge_updates(streams: list[ChoiceStream]) -> AsyncIterator[tuple[ChoiceStream, str | Exception]]:
+    """Interleave the updates of several streams as they come (an engine failure arrives as an Exception)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(s: ChoiceStream) -> None:
+        try:
+            async for delta in s.updates():
+                await queue.put((s, delta))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the stream as an error event
+            await queue.put((s, exc))
+        await queue.put((s, None))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(streams)
+        while remaining:
+            s, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield s, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.close()
 
 
 async def run_until_disconnect(request: Request, coro) -> Any:

@@ -21,11 +21,12 @@ import zmq
 import zmq.asyncio
 
 from redraft.engine.engine_process import run_engine_process
-from redraft.engine.sampling_params import SamplingParams
-from redraft.scheduler.messages import (
-    Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong, RejectReq,
-    RequestOutput, ShutdownReq,
+from redraft.protocol.messages import (
+    Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong,
+    Rejected, RequestOutput, ShutdownReq,
 )
+from redraft.protocol.sampling_params import SamplingParams
+from redraft.protocol.server_args import ServerArgs
 
 log = logging.getLogger("redraft.client")
 
@@ -35,9 +36,11 @@ class EngineDead(RuntimeError):
 
 
 class EngineRejected(Exception):
-    def __init__(self, status: int, message: str, code: str):
+    """The engine refused the request at admission (see protocol.messages.Rejected)."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 @dataclass
@@ -47,9 +50,8 @@ class _Pending:
 
 
 class EngineClient:
-    def __init__(self, engine_kwargs: dict[str, Any], log_level: str = "info", startup_timeout: float = 600.0):
-        self.engine_kwargs = engine_kwargs
-        self.log_level = log_level
+    def __init__(self, args: ServerArgs, startup_timeout: float = 600.0):
+        self.args = args
         self.startup_timeout = startup_timeout
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
@@ -64,7 +66,7 @@ class EngineClient:
         self._from_engine_addr = f"ipc://{self._ipc_dir}/from-engine"
         self.on_finished: list = []  # callbacks(RequestOutput) for metrics
         self.on_submit: list = []  # callbacks(rid, SamplingParams) as a request is sent (metrics: start, labels)
-        self.on_message: list = []  # callbacks(Accepted | RequestOutput | RejectReq) (metrics: per block timing)
+        self.on_message: list = []  # callbacks(Accepted | RequestOutput | Rejected) (metrics: per block timing)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -76,7 +78,7 @@ class EngineClient:
         self._push_sync.bind(self._to_engine_addr)
         self.proc = mp.get_context("spawn").Process(
             target=run_engine_process,
-            args=(self.engine_kwargs, self._to_engine_addr, self._from_engine_addr, self.log_level),
+            args=(self.args, self._to_engine_addr, self._from_engine_addr),
             name="redraft-engine",
             daemon=True,
         )
@@ -153,7 +155,7 @@ class EngineClient:
                 self._dispatch(msg)
 
     def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, (Accepted, RequestOutput, RejectReq)):
+        if isinstance(msg, (Accepted, RequestOutput, Rejected)):
             pending = self._pending.get(msg.rid)
             if pending is not None:
                 pending.queue.put_nowait(msg)
@@ -199,14 +201,14 @@ class EngineClient:
         for callback in self.on_submit:
             callback(rid, params)
         try:
-            await self._send_msg(GenerateReq(rid, list(input_ids), params, time.time()))
+            await self._send_msg(GenerateReq(rid, list(input_ids), params))
             while True:
                 msg = await pending.queue.get()
                 if isinstance(msg, Exception):
                     raise msg
-                if isinstance(msg, RejectReq):
+                if isinstance(msg, Rejected):
                     pending.finished = True
-                    raise EngineRejected(msg.status, msg.message, msg.code)
+                    raise EngineRejected(msg.status, msg.message, msg.code, msg.param)
                 yield msg
                 if isinstance(msg, RequestOutput) and msg.finished:
                     pending.finished = True
@@ -216,9 +218,10 @@ class EngineClient:
             if not pending.finished and self.alive:  # client gone, cancelled or failed: free its pages now
                 await self.abort(rid)
 
-    async def abort(self, rid: str) -> None:
+    async def abort(self, rid: str, finish: dict[str, Any] | None = None, keep_tokens: int | None = None) -> None:
+        """End a request (see AbortReq: `finish` and `keep_tokens` end it at a stop string)."""
         if self.alive:
-            await self._send_msg(AbortReq(rid))
+            await self._send_msg(AbortReq(rid, finish, keep_tokens))
 
     async def _request(self, msg: Any, timeout: float) -> Any:
         if not self.alive:

@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from contextlib import asynccontextmanager, aclosing
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,17 +21,14 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from redraft.engine.sampling_params import SamplingParams, SamplingParamsError
-from redraft.scheduler.messages import Accepted, RequestOutput
-from redraft.server.common import APIError, ServerState, engine_error, error_response, run_until_disconnect, sse
-from redraft.server.detokenizer import IncrementalDetokenizer
-from redraft.server.engine_client import EngineDead, EngineRejected
+from redraft.engine.output_stream import OutputStream
+from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
+from redraft.server.common import (APIError, ChoiceStream, ServerState, engine_error, error_response, run_all,
+                                   run_until_disconnect, sse, sse_error, start_streams)
+from redraft.server.engine_client import EngineDead
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.middleware import install_middleware
 from redraft.server.openai_protocol import reject_lone_surrogates
-
-if TYPE_CHECKING:
-    from redraft.server.openai_api import OpenAISettings
 
 log = logging.getLogger("redraft.http")
 
@@ -61,8 +58,8 @@ class AbortBody(BaseModel):
         return reject_lone_surrogates(data)
 
 
-def create_app(state: ServerState, openai_settings: OpenAISettings | None = None) -> FastAPI:
-    from redraft.server.openai_api import OpenAISettings, register_openai_routes
+def create_app(state: ServerState) -> FastAPI:
+    from redraft.server.openai_api import register_openai_routes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,7 +73,7 @@ def create_app(state: ServerState, openai_settings: OpenAISettings | None = None
     app.openapi = lambda: _openapi_with_400(app)
     app.state.redraft = state
     install_middleware(app, state)
-    register_openai_routes(app, state, openai_settings or OpenAISettings())
+    register_openai_routes(app, state)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -149,20 +146,19 @@ def create_app(state: ServerState, openai_settings: OpenAISettings | None = None
             params = SamplingParams.from_dict(body.sampling_params or {})
         except SamplingParamsError as exc:
             raise APIError(400, str(exc), param=f"sampling_params.{exc.param}" if exc.param else None) from exc
-        for ids in prompts:
-            _check_length(state, ids, params.max_new_tokens)
+        if body.stream and len(prompts) != 1:
+            raise APIError(400, "stream=true takes a single prompt", param="stream")
         base_rid = body.rid or uuid.uuid4().hex
         rids = [base_rid] if len(prompts) == 1 else [f"{base_rid}-{i}" for i in range(len(prompts))]
+        names = {"input_ids": "text" if body.text is not None else "input_ids",
+                 **{k: f"sampling_params.{k}" for k in ("max_new_tokens", "rid")}}
+        streams = await start_streams(state, rids, prompts, [params] * len(prompts), names)
         if body.stream:
-            if len(prompts) != 1:
-                raise APIError(400, "stream=true takes a single prompt", param="stream")
-            stream = _native_stream(state, rids[0], prompts[0], params)
-            first = await _first_or_error(stream)
-            return StreamingResponse(_prepend(first, stream), media_type="text/event-stream")
-        results = await run_until_disconnect(
-            request, asyncio.gather(*[_native_once(state, r, ids, params) for r, ids in zip(rids, prompts)])
-        )
-        return results[0] if len(prompts) == 1 and not isinstance(body.text, list) and not _is_batch_ids(body.input_ids) else results
+            return StreamingResponse(_native_sse(streams[0]), media_type="text/event-stream")
+        outs = await run_until_disconnect(request, run_all(streams))
+        results = [_native_payload(o, final=True) for o in outs]
+        batch = isinstance(body.text, list) or _is_batch_ids(body.input_ids)
+        return results if batch else results[0]
 
     return app
 
@@ -194,77 +190,26 @@ def _native_prompts(state: ServerState, body: GenerateBody) -> list[list[int]]:
         prompts = [state.tokenizer.encode(t) for t in texts]
     else:
         prompts = body.input_ids if _is_batch_ids(body.input_ids) else [body.input_ids]  # type: ignore[list-item]
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if not prompts:  # an empty batch; an empty prompt is the engine's to refuse
         raise APIError(400, "the prompt is empty", param="text" if body.text is not None else "input_ids")
     return [list(p) for p in prompts]
 
 
-def _check_length(state: ServerState, ids: list[int], max_new_tokens: int) -> None:
-    limit = state.max_model_len
-    if limit and len(ids) + max_new_tokens > limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(ids) + max_new_tokens} tokens ({len(ids)} in the prompt, {max_new_tokens} for the completion).",
-            param="max_new_tokens", code="context_length_exceeded",
-        )
+def _native_payload(out: OutputStream, final: bool = False) -> dict:
+    """SGLang's native shape: the text decided so far (all of it at the end), every output id, meta_info."""
+    text = out.text if final else out.detok.released
+    return {"text": text, "output_ids": list(out.ids), "meta_info": out.meta_info()}
 
 
-def _native_payload(state: ServerState, detok: IncrementalDetokenizer, out: RequestOutput) -> dict:
-    return {
-        "text": detok.text(out.output_ids, out.finished),
-        "output_ids": out.output_ids,
-        "meta_info": {"id": out.rid, "finish_reason": out.finish_reason, **out.meta},
-    }
-
-
-async def _native_once(state: ServerState, rid: str, ids: list[int], params: SamplingParams) -> dict:
-    detok = IncrementalDetokenizer(state.tokenizer, params.stop)
-    last = None
+async def _native_sse(stream: ChoiceStream) -> AsyncIterator[str]:
+    """One SSE chunk per committed block (cumulative text and ids, as SGLang streams them), then [DONE]."""
     try:
-        async with aclosing(state.client.generate(rid, ids, params)) as stream:
-            async for out in stream:
-                if isinstance(out, RequestOutput):
-                    last = out
-    except (EngineDead, EngineRejected) as exc:
-        raise engine_error(exc) from exc
-    assert last is not None and last.finished
-    return _native_payload(state, detok, last)
-
-
-async def _native_stream(state: ServerState, rid: str, ids: list[int], params: SamplingParams) -> AsyncIterator[str]:
-    """SSE chunks; the first item is produced only once the engine accepted the request (or refused it)."""
-    detok = IncrementalDetokenizer(state.tokenizer, params.stop)
-    accepted = False
-    async with aclosing(state.client.generate(rid, ids, params)) as stream:
-        try:
-            async for out in stream:
-                if isinstance(out, Accepted):
-                    accepted = True
-                    yield ""  # the engine has it: errors before this point become HTTP errors
-                else:
-                    yield sse(_native_payload(state, detok, out))
-        except (EngineDead, EngineRejected) as exc:
-            if not accepted:
-                raise
-            err = engine_error(exc)
-            yield sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
-        yield "data: [DONE]\n\n"
-
-
-async def _first_or_error(stream: AsyncIterator[str]) -> str:
-    try:
-        return await stream.__anext__()
-    except (EngineDead, EngineRejected, StopAsyncIteration) as exc:
-        await stream.aclose()
-        raise engine_error(exc) from exc
-
-
-async def _prepend(first: str, stream: AsyncIterator[str]) -> AsyncIterator[str]:
-    try:
-        if first:
-            yield first
-        async for chunk in stream:
-            yield chunk
+        async for _ in stream.updates():
+            yield sse(_native_payload(stream.out, final=stream.out.finished))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in the stream
+        yield sse_error(exc)
     finally:
-        await stream.aclose()
+        await stream.close()
+    yield "data: [DONE]\n\n"

@@ -32,7 +32,8 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from redraft.scheduler.messages import Accepted, RejectReq, RequestOutput
+from redraft.protocol.messages import Accepted, Rejected, RequestOutput
+from redraft.protocol.server_args import DEFAULT_DOMAINS
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST", "DEFAULT_DOMAINS", "OTHER_DOMAIN", "parse_domains"]
 
@@ -41,7 +42,6 @@ log = logging.getLogger("redraft.metrics")
 # No `*_created` series (SGLang exposes none either; they double every counter's series for little use).
 disable_created_metrics()
 
-DEFAULT_DOMAINS: tuple[str, ...] = ("code", "math", "chat")
 OTHER_DOMAIN = "other"
 MODES: tuple[str, ...] = ("S", "Q")
 MAX_TRACKED = 100_000  # requests in flight we keep timing state for (a dead engine must not leak memory)
@@ -93,7 +93,6 @@ class ServerMetrics:
         self.model_name = model_name
         self.domains = parse_domains(domains)
         self._domain_set = frozenset(self.domains)
-        self.default_mode = "Q"  # the engine's, read from the client once attached
         self._client: Any = None
         self._inflight: dict[str, _Track] = {}
         self._callback_errors = 0
@@ -145,8 +144,6 @@ class ServerMetrics:
         self.blocks_committed = counter("redraft:blocks_committed",
                                         "Blocks committed (final), counted when the request finishes.")
         self.edits = counter("redraft:edits", "Token-to-token edits (T2T) of finished requests.")
-        self.mbe_reopens = counter("redraft:mbe_reopens",
-                                   "Blocks re-opened by multi-block editing (0 until MBE exists).")
         self.rejected = counter("redraft:rejected_requests", "Requests the engine refused at admission, by code.",
                                 ["model_name", "code"])
 
@@ -173,7 +170,7 @@ class ServerMetrics:
             for domain in (*self.domains, OTHER_DOMAIN):
                 for metric in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
                                self.num_requests, self.num_aborted, self.forwards, self.tokens_committed,
-                               self.blocks_committed, self.edits, self.mbe_reopens, self.ttft, self.itl,
+                               self.blocks_committed, self.edits, self.ttft, self.itl,
                                self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward):
                     metric.labels(model_name, mode, domain)
         for code in ("queue_full", "invalid_request_error"):  # the engine's admission refusals
@@ -190,10 +187,8 @@ class ServerMetrics:
         d = (domain or "").strip().lower()
         return d if d in self._domain_set else OTHER_DOMAIN
 
-    def _labels(self, params: Any) -> tuple[str, str, str]:
-        info = self._client.info if self._client is not None else {}
-        mode = params.effective_mode(info.get("default_mode") or self.default_mode)
-        return self.model_name, mode if mode in MODES else "Q", self.domain_label(params.domain)
+    def _labels(self, mode: str, domain: str | None) -> tuple[str, str, str]:
+        return self.model_name, mode if mode in MODES else "Q", self.domain_label(domain)
 
     # ---- events --------------------------------------------------------------------------------------
     def on_submit(self, rid: str, params: Any) -> None:
@@ -201,7 +196,8 @@ class ServerMetrics:
             if len(self._inflight) >= MAX_TRACKED:  # requests that never finished (a dead engine): oldest first
                 for stale in list(self._inflight)[: MAX_TRACKED // 10]:
                     del self._inflight[stale]
-            self._inflight[rid] = _Track(self._labels(params), time.monotonic())
+            # the mode is the engine's to resolve: the labels are final once it accepts (Accepted.mode)
+            self._inflight[rid] = _Track(self._labels(params.mode or "Q", params.domain), time.monotonic())
         except Exception:  # noqa: BLE001 - metrics must never break serving
             self._callback_failed()
 
@@ -209,11 +205,13 @@ class ServerMetrics:
         try:
             if isinstance(msg, RequestOutput):
                 self._on_output(msg)
-            elif isinstance(msg, RejectReq):
+            elif isinstance(msg, Rejected):
                 self._inflight.pop(msg.rid, None)
                 self.rejected.labels(self.model_name, msg.code or "unknown").inc()
             elif isinstance(msg, Accepted):
-                pass
+                track = self._inflight.get(msg.rid)
+                if track is not None:
+                    track.labels = (track.labels[0], msg.mode if msg.mode in MODES else "Q", track.labels[2])
         except Exception:  # noqa: BLE001
             self._callback_failed()
 
@@ -228,8 +226,8 @@ class ServerMetrics:
             return
         now = time.monotonic()
         labels = track.labels
-        tokens = len(out.output_ids)
-        new_tokens = max(tokens - track.tokens, 0)
+        new_tokens = len(out.new_ids)
+        tokens = track.tokens + new_tokens
         steps = int(out.meta.get("steps", track.steps))
         blocks = int(out.meta.get("blocks", track.blocks))
         new_blocks = max(blocks - track.blocks, 0)
@@ -260,7 +258,7 @@ class ServerMetrics:
 
     def _on_finished(self, out: RequestOutput, track: _Track, now: float) -> None:
         labels, meta = track.labels, out.meta
-        completion = int(meta.get("completion_tokens", len(out.output_ids)))
+        completion = int(meta.get("completion_tokens", track.tokens))
         steps = int(meta.get("steps", 0))
         self.prompt_tokens.labels(*labels).inc(int(meta.get("prompt_tokens", 0)))
         self.generation_tokens.labels(*labels).inc(completion)
@@ -268,7 +266,6 @@ class ServerMetrics:
         self.forwards.labels(*labels).inc(steps)
         self.edits.labels(*labels).inc(int(meta.get("edits", 0)))
         self.blocks_committed.labels(*labels).inc(int(meta.get("blocks", 0)))
-        self.mbe_reopens.labels(*labels).inc(int(meta.get("mbe_reopens", 0)))
         self.num_requests.labels(*labels).inc()
         aborted = (out.finish_reason or {}).get("type") == "abort"
         if aborted:

@@ -2,8 +2,8 @@
 
 This file is what the engine is tested against. It shares no code with `redraft` (only torch,
 safetensors and json) and favours "obviously right" over fast: every forward recomputes the whole
-sequence, there is no cache, no batching, no fused op. Spec: /work/shared/reference/llada2-facts.md,
-sections 1-3.
+sequence, there is no cache, no batching, no fused op. Spec: the LLaDA2.1 tech report and model cards (the
+forward pass and the official generate() loop; engine/decoding.py's docstring restates the loop).
 
 Decisions taken where the facts leave room (the lead's choices, keep them in step with the engine):
 - blocks run from P // 32 to (P + max_new_tokens - 1) // 32 inclusive;

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from redraft.engine.decoding import SamplingBatch, joint_threshold_step, propose, uniform_noise
-from redraft.engine.sampling_params import SamplingParams, SamplingParamsError
+from redraft.protocol.sampling_params import Defaults, SamplingParams, SamplingParamsError, resolve
 
 MASK = 9
 V = 10
@@ -151,14 +151,14 @@ def test_greedy_rows_unaffected_by_sampled_neighbours():
 
 
 def test_presets_and_overrides():
-    assert SamplingParams(mode="S").resolved().threshold == 0.5
-    r = SamplingParams(mode="Q").resolved()
+    assert resolve(SamplingParams(mode="S")).threshold == 0.5
+    r = resolve(SamplingParams(mode="Q"))
     assert (r.threshold, r.edit_threshold, r.max_post_steps) == (0.7, 0.5, 16)
-    r = SamplingParams(mode="S", edit_threshold=0.9, max_post_steps=0).resolved()
+    r = resolve(SamplingParams(mode="S", edit_threshold=0.9, max_post_steps=0))
     assert (r.threshold, r.edit_threshold, r.max_post_steps) == (0.5, 0.9, 0)
-    assert SamplingParams(mode="auto", domain="code").resolved().mode == "S"
-    assert SamplingParams(mode="auto", domain="chat").resolved().mode == "Q"
-    assert SamplingParams().resolved(default_mode="S").mode == "S"
+    assert resolve(SamplingParams(mode="auto", domain="code")).mode == "S"
+    assert resolve(SamplingParams(mode="auto", domain="chat")).mode == "Q"
+    assert resolve(SamplingParams(), [Defaults(mode="S")]).mode == "S"
 
 
 @pytest.mark.parametrize("bad", [

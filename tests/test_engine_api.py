@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import redraft
-from redraft.engine.sampling_params import SamplingParamsError
+from redraft.protocol.sampling_params import SamplingParamsError
 from redraft.engine.tiny import make_tiny_checkpoint
 
 

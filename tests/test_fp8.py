@@ -183,6 +183,7 @@ def write_deepseek_fp8(src: Path, dst: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     from redraft.engine.config import ModelConfig
+    from redraft.engine.fp8_model import fp8_segment_rows
     from redraft.engine.loader import expected_tensors
 
     shutil.copytree(src, dst)
@@ -193,7 +194,7 @@ def write_deepseek_fp8(src: Path, dst: Path) -> Path:
         out = {}
         for name, t in tensors.items():
             try:
-                q.fp8_segment_rows(cfg, targets[name].param)
+                fp8_segment_rows(cfg, targets[name].param)
             except KeyError:
                 out[name] = t
                 continue

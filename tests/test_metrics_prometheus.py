@@ -222,7 +222,7 @@ def test_exposition_lints_clean_but_for_sglang_colons(promtool, redraft_server, 
     unexpected = [ln for ln in problems if "metric names should not contain ':'" not in ln]
     assert not unexpected, "\n".join(unexpected)
     for name in ("redraft:forwards_total", "redraft:tokens_committed_total", "redraft:edits_total",
-                 "redraft:mbe_reopens_total", "redraft:block_steps_bucket", "redraft:tokens_per_forward_bucket",
+                 "redraft:block_steps_bucket", "redraft:tokens_per_forward_bucket",
                  "sglang:time_to_first_token_seconds_bucket", "sglang:inter_token_latency_seconds_bucket",
                  "redraft:inter_block_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_bucket",
                  "sglang:queue_time_seconds_bucket", "sglang:num_running_reqs", "sglang:num_queue_reqs",
@@ -300,13 +300,13 @@ def test_alert_rules_load_and_stay_quiet(prometheus, traffic):
 
 # ---- the collector alone (fast) -------------------------------------------------------------------------------
 def _out(rid: str, n: int, steps: int, blocks: int, finished: bool = False, **meta):
-    from redraft.scheduler.messages import RequestOutput
+    from redraft.protocol.messages import RequestOutput
 
     reason = ({"type": meta.pop("reason", "stop")}) if finished else None
     base = {"steps": steps, "blocks": blocks}
     if finished:
         base |= {"prompt_tokens": 10, "completion_tokens": n, "cached_tokens": 0, "edits": 3, "queue_time": 0.25}
-    return RequestOutput(rid, list(range(n)), finished, reason, base | meta)
+    return RequestOutput(rid, list(range(n)), finished, reason, meta=base | meta)  # n: tokens new in this message
 
 
 def _value(metrics, name: str, **labels) -> float:
@@ -315,8 +315,8 @@ def _value(metrics, name: str, **labels) -> float:
 
 
 def test_collector_labels_and_per_block_figures():
-    from redraft.engine.sampling_params import SamplingParams
-    from redraft.scheduler.messages import Accepted, RejectReq
+    from redraft.protocol.sampling_params import SamplingParams
+    from redraft.protocol.messages import Accepted, Rejected
     from redraft.server.metrics import ServerMetrics, parse_domains
 
     assert parse_domains("Code, math,,chat,code") == ("code", "math", "chat")
@@ -326,10 +326,10 @@ def test_collector_labels_and_per_block_figures():
     m = ServerMetrics("tiny", "code,math")
     lab = {"model_name": "tiny"}
     m.on_submit("a", SamplingParams(mode="auto", domain="Math"))  # auto + math -> S
-    m.on_message(Accepted("a"))
+    m.on_message(Accepted("a", "S", 64))  # the engine resolved auto + math to S
     m.on_message(_out("a", 20, steps=4, blocks=1))  # first block: 20 tokens after 4 forwards
-    m.on_message(_out("a", 52, steps=10, blocks=2))  # second block: 32 tokens, 6 forwards
-    m.on_message(_out("a", 60, steps=13, blocks=3, finished=True))
+    m.on_message(_out("a", 32, steps=10, blocks=2))  # second block: 32 tokens, 6 forwards
+    m.on_message(_out("a", 8, steps=13, blocks=3, finished=True, completion_tokens=60))
     s = dict(lab, mode="S", domain="math")
     assert _value(m, "sglang:time_to_first_token_seconds_count", **s) == 1
     assert _value(m, "redraft:inter_block_latency_seconds_count", **s) == 2
@@ -350,7 +350,7 @@ def test_collector_labels_and_per_block_figures():
     assert _value(m, "sglang:e2e_request_latency_seconds_count", **q) == 0
     assert _value(m, "sglang:time_to_first_token_seconds_count", **q) == 0
     m.on_submit("c", SamplingParams())
-    m.on_message(RejectReq("c", 503, "queue full", "queue_full"))
+    m.on_message(Rejected("c", 503, "queue full", "queue_full"))
     assert _value(m, "redraft:rejected_requests_total", code="queue_full", **lab) == 1
     assert not m._inflight
     m.on_message(_out("zzz", 5, 1, 1, finished=True))  # never submitted here: ignored, no error
@@ -363,7 +363,7 @@ def test_collector_labels_and_per_block_figures():
 
 
 def test_collector_never_raises(monkeypatch):
-    from redraft.engine.sampling_params import SamplingParams
+    from redraft.protocol.sampling_params import SamplingParams
     from redraft.server.metrics import ServerMetrics
 
     m = ServerMetrics("tiny")
@@ -375,13 +375,13 @@ def test_collector_never_raises(monkeypatch):
 
 _MULTIPROC_CHILD = """
 import sys
-from redraft.engine.sampling_params import SamplingParams
-from redraft.scheduler.messages import RequestOutput
+from redraft.protocol.sampling_params import SamplingParams
+from redraft.protocol.messages import RequestOutput
 from redraft.server.metrics import ServerMetrics
 m = ServerMetrics("tiny")
 m.on_submit("r", SamplingParams(mode="S", domain="code"))
-m.on_message(RequestOutput("r", [1] * 40, True, {"type": "stop"}, {"steps": 8, "blocks": 2, "completion_tokens": 40,
-                                                                    "prompt_tokens": 5}))
+m.on_message(RequestOutput("r", [1] * 40, True, {"type": "stop"}, meta={"steps": 8, "blocks": 2,
+                                                                         "completion_tokens": 40, "prompt_tokens": 5}))
 m.set_engine_stats({"num_running_reqs": int(sys.argv[1])}, {})
 if sys.argv[2] == "render":
     sys.stdout.write(m.render().decode())

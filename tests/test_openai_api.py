@@ -503,11 +503,14 @@ def test_tool_result_round_trip(client, tok):
 
 
 def _fake_output(tok: Tokenizer, text: str, finish: str = "stop"):
-    from redraft.scheduler.messages import RequestOutput
+    from redraft.engine.output_stream import OutputStream
+    from redraft.protocol.messages import RequestOutput
 
     ids = tok.encode(text) + [tok.eos_token_id]
     meta = {"completion_tokens": len(ids), "steps": 3, "edits": 0, "mode": "Q", "cached_tokens": 0}
-    return RequestOutput(rid="r-0", output_ids=ids, finished=True, finish_reason={"type": finish}, meta=meta)
+    out = OutputStream("r-0", tok)
+    out.add(RequestOutput(rid="r-0", new_ids=ids, finished=True, finish_reason={"type": finish}, meta=meta))
+    return out
 
 
 def test_parse_tool_calls_unit(tok):

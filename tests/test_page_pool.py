@@ -72,23 +72,10 @@ def test_free_unknown_or_never_allocated_raises() -> None:
     assert pool.num_free == 4 and pool.num_used == 0
 
 
-def test_reserved_pages_are_never_handed_out_nor_freed() -> None:
-    pool = PagePool(5, reserved=1)
-    assert pool.scratch_page == 0 and pool.num_reserved == 1
-    assert (pool.capacity, pool.num_free, pool.num_used) == (4, 4, 0)
-    pages = pool.alloc(4)
-    assert pages is not None and 0 not in pages and sorted(pages) == [1, 2, 3, 4]
-    assert pool.alloc(1) is None
-    with pytest.raises(ValueError, match="reserved"):
-        pool.free([0])
-    assert not pool.is_allocated(0)
-    assert PagePool(5).scratch_page is None
-
-
-@pytest.mark.parametrize("num_pages,reserved", [(-1, 0), (3, 4), (3, -1)])
-def test_bad_construction(num_pages: int, reserved: int) -> None:
+@pytest.mark.parametrize("num_pages", [-1, -5])
+def test_bad_construction(num_pages: int) -> None:
     with pytest.raises(ValueError):
-        PagePool(num_pages, reserved=reserved)
+        PagePool(num_pages)
 
 
 def test_empty_pool() -> None:
@@ -99,7 +86,7 @@ def test_empty_pool() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_random_alloc_free_matches_model(seed: int) -> None:
     rng = random.Random(seed)
-    pool = PagePool(32, reserved=1)
+    pool = PagePool(32)
     held: set[int] = set()
     for _ in range(400):
         if rng.random() < 0.5:
@@ -108,7 +95,7 @@ def test_random_alloc_free_matches_model(seed: int) -> None:
             if n > pool.capacity - len(held):
                 assert got is None
             else:
-                assert got is not None and len(got) == n and not held & set(got) and 0 not in got
+                assert got is not None and len(got) == n and not held & set(got)
                 held.update(got)
         elif held:
             give = rng.sample(sorted(held), rng.randint(1, len(held)))

@@ -24,7 +24,7 @@ def toks(*symbols: int, tail: int = 0, bs: int = BS) -> list[int]:
 
 
 def make(capacity: int = 16, bs: int = BS) -> tuple[PagePool, RadixCache]:
-    pool = PagePool(capacity + 1, reserved=1)
+    pool = PagePool(capacity)
     return pool, RadixCache(pool, block_size=bs)
 
 
@@ -124,7 +124,7 @@ def test_insert_empty_is_a_noop() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["partial_block", "too_few_pages", "repeated_page", "unallocated_page", "tree_page_elsewhere", "reserved_page"],
+    ["partial_block", "too_few_pages", "repeated_page", "unallocated_page", "tree_page_elsewhere"],
 )
 def test_insert_rejects_bad_input_and_changes_nothing(case: str) -> None:
     pool, cache = make()
@@ -137,7 +137,6 @@ def test_insert_rejects_bad_input_and_changes_nothing(case: str) -> None:
         "repeated_page": (toks(3, 4), [mine[0], mine[0]]),
         "unallocated_page": (toks(3, 4), [mine[0], 15]),
         "tree_page_elsewhere": (toks(3, 4), [mine[0], cached[0]]),  # tree page offered for a different block
-        "reserved_page": (toks(3, 4), [mine[0], 0]),
     }[case]
     with pytest.raises(ValueError):
         cache.insert(*args)
@@ -148,7 +147,7 @@ def test_insert_rejects_bad_input_and_changes_nothing(case: str) -> None:
 
 
 def test_default_block_size_and_long_prompt() -> None:
-    pool = PagePool(1025, reserved=1)
+    pool = PagePool(1024)
     cache = RadixCache(pool)
     assert cache.block_size == 32
     prompt = list(range(1000 * 32 + 17))
@@ -362,7 +361,7 @@ class Sim:
     CAPACITY = 13
 
     def __init__(self) -> None:
-        self.pool = PagePool(self.CAPACITY + 1, reserved=1)
+        self.pool = PagePool(self.CAPACITY)
         self.cache = RadixCache(self.pool, block_size=self.BS)
         self.model: dict[tuple, int] = {}
         self.atime: dict[tuple, int] = {}

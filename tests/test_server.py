@@ -54,7 +54,9 @@ def engine(ckpt: Path):
     import torch
 
     torch.set_num_threads(1)  # two slow cores, shared with the server subprocesses
-    eng = redraft.Engine(model_path=str(ckpt), dtype="float32", progress=False)
+    # float64 here and in the server: batches of different composition sum in different orders, and in
+    # float32 that can flip a sampled token at a CDF boundary (seen: 1 of 255 at temperature 0.8)
+    eng = redraft.Engine(model_path=str(ckpt), dtype="float64", progress=False)
     yield eng
     eng.shutdown()
 
@@ -62,12 +64,13 @@ def engine(ckpt: Path):
 @pytest.fixture(scope="module")
 def server(request, ckpt: Path, tmp_path_factory) -> ServerProcess:
     # A KV cache of 160 pages: the load test fills it, so cached blocks get evicted and requests preempted.
-    return _server_fixture(request, ckpt, tmp_path_factory, ["--max-total-tokens", str(160 * 32)])
+    return _server_fixture(request, ckpt, tmp_path_factory, ["--max-total-tokens", str(160 * 32), "--dtype", "float64"])
 
 
 @pytest.fixture(scope="module")
 def tight_server(request, ckpt: Path, tmp_path_factory) -> ServerProcess:
-    return _server_fixture(request, ckpt, tmp_path_factory, ["--max-queued-requests", "1", "--max-running-requests", "1"])
+    return _server_fixture(request, ckpt, tmp_path_factory, ["--max-queued-requests", "1", "--max-running-requests", "1",
+                                                                "--dtype", "float64"])
 
 
 # ---- HTTP helpers --------------------------------------------------------------------------------------------

@@ -61,8 +61,6 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
         ("Forwards per block", "short", "Denoising forwards a committed block took (redraft:block_steps).",
          [(quantile(0.5, "redraft:block_steps", "mode"), "p50 {{mode}}"),
           (quantile(0.99, "redraft:block_steps", "mode"), "p99 {{mode}}")], "timeseries"),
-        ("MBE re-opened blocks/s", "short", "Blocks re-opened by multi-block editing (0 until MBE exists).",
-         [(rate("redraft:mbe_reopens_total", "mode"), "{{mode}}")], "timeseries"),
     ]),
     ("Latency", [
         ("Time to first token (first committed block)", "s",

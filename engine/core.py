@@ -1,0 +1,271 @@
+"""`EngineCore`: the one engine loop. Admission (every check and every default, once), then per iteration
+schedule -> one forward for the whole batch -> update -> incremental outputs.
+
+The offline `redraft.Engine` and the engine process (`engine_process.py`, behind the HTTP server) both drive
+this class and nothing else: a request is validated, resolved, scheduled, decoded and reported here only.
+
+    core = EngineCore(ServerArgs(...))
+    core.add_request(rid, input_ids, SamplingParams(...))   # -> Accepted, or raises RequestRejected
+    while core.has_work():
+        for out in core.step():                             # RequestOutput: what each request committed
+            ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from redraft.engine.config import ModelConfig
+from redraft.engine.defaults import default_model_path
+from redraft.engine.loader import load_model, resolve_dtype
+from redraft.engine.model_runner import ModelRunner
+from redraft.engine.tokenizer import Tokenizer
+from redraft.protocol.messages import Accepted, RequestOutput
+from redraft.protocol.sampling_params import BLOCK_SIZE, Defaults, SamplingParams, resolve
+from redraft.protocol.server_args import ServerArgs
+from redraft.scheduler.request import FinishReason, Request
+from redraft.scheduler.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
+
+log = logging.getLogger("redraft.engine")
+
+
+class RequestRejected(ValueError):
+    """A request refused at admission: the HTTP status, an OpenAI error code, and the offending parameter
+    (named as in sampling_params; `input_ids` for the prompt)."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+@dataclass
+class _Timing:
+    enqueued: float
+    queue_time: float | None = None
+
+
+def read_generation_config(model_path: Path | None) -> Defaults:
+    """The checkpoint's generation_config.json as a level of the defaults chain (empty if absent)."""
+    path = model_path / "generation_config.json" if model_path else None
+    if path is None or not path.is_file():
+        return Defaults()
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    return Defaults.from_generation_config(raw if isinstance(raw, dict) else {})
+
+
+class EngineCore:
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={args.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
+        if args.cpu_threads:
+            torch.set_num_threads(args.cpu_threads)
+        path = Path(args.model_path) if args.model_path else default_model_path()
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist")
+        self.model_path = path
+        self.model_config = ModelConfig.from_pretrained(path)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        # The defaults chain below the request: the operator's explicit flags, then generation_config.json.
+        self.default_levels = (args.request_defaults(), read_generation_config(path))
+        t0 = time.perf_counter()
+        self.model = load_model(path, self.model_config, dtype=args.resolved_dtype, device=args.device,
+                                load_format=args.load_format, seed=args.seed, progress=args.progress,
+                                quantization=args.quantization)
+        # kernel_backend="triton": Triton attention and the fused Triton MoE (sync-free: the denoising step can be
+        # captured in a CUDA graph); "torch": the plain-torch twins. FP8 linears follow the same choice.
+        self.model.set_kernel_backend(args.kernel_backend)
+        self.quantization = self.model.quantization  # "fp8" also when the checkpoint itself is FP8
+        log.info("loaded %s (%.1fM params, %s%s, %s) in %.1fs", path, self.model_config.num_params() / 1e6,
+                 args.resolved_dtype, ", fp8 weights" if self.quantization else "", args.device,
+                 time.perf_counter() - t0)
+        num_pages = max(1, (args.max_total_tokens or self._default_kv_tokens()) // BLOCK_SIZE)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_pages=num_pages, block_size=BLOCK_SIZE, max_running_requests=args.max_running_requests,
+            max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.chunked_prefill_size,
+            policy=args.schedule_policy, enable_prefix_cache=args.enable_prefix_cache and not args.recompute_prefix,
+        ))
+        on_gpu = torch.device(args.device).type == "cuda"
+        graph_bs = 0
+        if on_gpu and args.kernel_backend == "triton" and not args.disable_cuda_graph:
+            graph_bs = max(0, min(args.cuda_graph_max_bs, args.max_running_requests))
+        self.runner = ModelRunner(self.model, num_pages, args.max_running_requests, self.tokenizer.mask_token_id,
+                                  args.device, cuda_graph_max_bs=graph_bs)
+        self._requests: dict[str, Request] = {}  # every request not yet reported finished
+        self._timing: dict[str, _Timing] = {}
+        self.num_forwards = 0
+
+    def _default_kv_tokens(self) -> int:
+        per_token = ModelRunner.kv_bytes_per_token(self.model_config, resolve_dtype(self.args.resolved_dtype))
+        if torch.device(self.args.device).type == "cuda":
+            # SGLang's rule: weights + KV cache take mem_fraction_static of the GPU; the rest is activations.
+            free, total = torch.cuda.mem_get_info()
+            budget = int(total * self.args.mem_fraction_static) - (total - free)
+            if budget <= 0:
+                raise ValueError(f"mem_fraction_static={self.args.mem_fraction_static} leaves no room for the KV cache")
+            return budget // per_token
+        budget = 512 * 2**20  # CPU: 512 MiB of KV cache at most
+        return int(min(max(budget // per_token, 4096), 262144))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    # ---- admission: the one place a request is checked and its defaults resolved ----------------------
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Accepted:
+        """Validate, resolve and queue one request; RequestRejected says why not."""
+        ids = list(input_ids)
+        if not ids:
+            raise RequestRejected("the prompt is empty", param="input_ids")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="input_ids")
+        mask_id = self.tokenizer.mask_token_id
+        if mask_id in ids:
+            raise RequestRejected(
+                f"the prompt contains the mask token (id {mask_id}); redraft generates after the prompt and does "
+                "not infill masks inside it", param="input_ids")
+        if rid in self._requests:
+            raise RequestRejected(f"request id {rid!r} is already in flight", code="duplicate_request_id", param="rid")
+        resolved = resolve(params, self.default_levels, prompt_len=len(ids), max_model_len=self.max_model_len)
+        if len(ids) + resolved.max_new_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + resolved.max_new_tokens} tokens ({len(ids)} in the prompt, {resolved.max_new_tokens} "
+                "for the completion). Please reduce the length of the prompt or completion.",
+                code="context_length_exceeded", param="max_new_tokens")
+        if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
+            resolved = _with_seed(resolved, secrets.randbits(62))
+        req = Request(rid=rid, prompt_ids=ids, params=resolved, mask_id=mask_id,
+                      eos_id=self.tokenizer.eos_token_id, edit_trace=[] if self.args.trace_edits else None)
+        try:
+            self.scheduler.add_request(req)
+        except QueueFull as exc:
+            raise RequestRejected(str(exc), status=503, code="queue_full") from exc
+        except RequestTooLarge as exc:
+            raise RequestRejected(str(exc), param="max_new_tokens") from exc
+        self._requests[rid] = req
+        self._timing[rid] = _Timing(time.monotonic())
+        return Accepted(rid, resolved.mode, resolved.max_new_tokens)
+
+    def abort(self, rid: str, finish: dict[str, Any] | None = None, keep_tokens: int | None = None) -> bool:
+        """End a request (idempotent); `finish` and `keep_tokens` as in AbortReq."""
+        reason = FinishReason(finish["type"], matched=finish.get("matched")) if finish else None
+        return self.scheduler.abort(rid, reason, keep_tokens)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, one forward for the whole batch, apply the decoding step; then the
+        output of every request that committed a block or finished (aborts included) since the last call."""
+        items = self.scheduler.schedule() if self.scheduler.has_work() else []
+        if self.args.recompute_prefix:  # benchmark baseline: nothing is ever cached
+            for it in items:
+                it.req.cached_blocks = 0
+                it.first = 0
+        if items:
+            now = time.monotonic()
+            for it in items:  # a request's first batch ends its time in the queue
+                t = self._timing.get(it.req.rid)
+                if t is not None and t.queue_time is None:
+                    t.queue_time = now - t.enqueued
+            self.scheduler.update(items, self.runner.run(items))
+            self.num_forwards += 1
+        return [self._output(req) for req in self.scheduler.drain_updates()]
+
+    def _output(self, req: Request) -> RequestOutput:
+        ids = req.output_ids()
+        start = min(req.sent_tokens, len(ids))
+        lp = req.output_logprobs(start)
+        req.sent_tokens = len(ids)
+        meta: dict[str, Any] = {"steps": req.stats.steps, "blocks": req.stats.blocks}
+        if req.finished:
+            self._requests.pop(req.rid, None)
+            timing = self._timing.pop(req.rid, None)
+            meta = self._final_meta(req, len(ids), timing)
+        return RequestOutput(req.rid, ids[start:], req.finished, self._finish_json(req, len(ids)),
+                             lp[0] if lp else None, lp[1] if lp else None, meta)
+
+    @staticmethod
+    def _finish_json(req: Request, n_out: int) -> dict[str, Any] | None:
+        if req.finish_reason is None:
+            return None
+        out = req.finish_reason.to_json()
+        if req.finish_reason.kind == "length":
+            out["length"] = n_out
+        return out
+
+    @staticmethod
+    def _final_meta(req: Request, n_out: int, timing: _Timing | None) -> dict[str, Any]:
+        """SGLang-style meta_info of a finished request, with its diffusion figures."""
+        steps = req.stats.steps
+        meta = {
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": n_out,
+            "cached_tokens": req.prefix_cached_tokens,
+            "steps": steps,
+            "tokens_per_forward": n_out / max(steps, 1),
+            "edits": req.stats.edits,
+            "blocks": req.stats.blocks,
+            "mode": req.params.mode,
+            "domain": req.params.domain,
+            "queue_time": timing.queue_time if timing else None,
+            "e2e_latency": time.monotonic() - timing.enqueued if timing else None,
+        }
+        if req.edit_trace is not None:
+            meta["edit_trace"] = [list(e) for e in req.edit_trace]
+        return meta
+
+    # ---- service -------------------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def stats(self) -> dict[str, Any]:
+        return self.scheduler.stats()
+
+    def info(self) -> dict[str, Any]:
+        """What the HTTP process shows about this engine (/get_server_info, /v1/models, startup log)."""
+        a, s = self.args, self.scheduler
+        return {
+            "model_path": str(self.model_path),
+            "max_model_len": self.max_model_len,
+            "max_total_tokens": s.pool.capacity * BLOCK_SIZE,
+            "block_size": BLOCK_SIZE,
+            "device": a.device,
+            "dtype": a.resolved_dtype,
+            "kernel_backend": a.kernel_backend,
+            "default_mode": a.default_mode,
+            "max_running_requests": a.max_running_requests,
+            "max_queued_requests": a.max_queued_requests,
+            "num_params": self.model_config.num_params(),
+            "vocab_size": self.model_config.vocab_size,
+        }
+
+    def shutdown(self) -> None:
+        for rid in list(self._requests):
+            self.scheduler.abort(rid)
+        self.scheduler.drain_updates()
+        self._requests.clear()
+        self.runner = None  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+
+
+def _with_seed(params: Any, seed: int) -> Any:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

@@ -1,0 +1,75 @@
+"""One request's output as its consumer sees it, assembled from the engine's incremental RequestOutputs.
+Torch-free: the offline Engine and every HTTP route build their answers with it, so ids, text, stop strings,
+logprobs and meta_info are put together in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from redraft.engine.detokenizer import StreamingDetokenizer
+from redraft.protocol.messages import AbortReq, RequestOutput
+
+
+class OutputStream:
+    def __init__(self, rid: str, tokenizer: Any, stop: Sequence[str] = ()):
+        self.rid = rid
+        self.detok = StreamingDetokenizer(tokenizer, stop)
+        self.ids: list[int] = []
+        self.logprobs: list[float] | None = None
+        self.top_logprobs: list[list[tuple[int, float]]] | None = None
+        self.finished = False
+        self.engine_finish: dict[str, Any] | None = None
+        self.meta: dict[str, Any] = {}
+        self._abort_sent = False
+
+    def add(self, out: RequestOutput) -> str:
+        """Take one message; return the text it made certain (never part of a stop string)."""
+        if self.finished:
+            return ""
+        new = out.new_ids if self.detok.stop_matched is None else []  # nothing after a stop string counts
+        self.ids.extend(new)
+        if out.new_logprobs is not None and new:
+            self.logprobs = (self.logprobs or []) + out.new_logprobs[: len(new)]
+            self.top_logprobs = (self.top_logprobs or []) + (out.new_top_logprobs or [[]] * len(new))[: len(new)]
+        delta = self.detok.feed(new, out.finished)
+        self.meta.update(out.meta)
+        if out.finished:
+            self.finished = True
+            self.engine_finish = out.finish_reason
+        return delta
+
+    def stop_abort(self) -> AbortReq | None:
+        """Once a stop string appeared and the engine request still runs: the message that ends it there
+        (sent once)."""
+        if self.detok.stop_matched is None or self.finished or self._abort_sent:
+            return None
+        self._abort_sent = True
+        return AbortReq(self.rid, finish={"type": "stop", "matched": self.detok.stop_matched},
+                        keep_tokens=len(self.ids))
+
+    # ---- the answer -----------------------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        """All text decided so far (cut before a matched stop string)."""
+        return self.detok.text
+
+    @property
+    def finish_reason(self) -> dict[str, Any] | None:
+        """The engine's finish, except that a stop string the text matched is the reason it stopped."""
+        if self.detok.stop_matched is not None:
+            return {"type": "stop", "matched": self.detok.stop_matched}
+        return self.engine_finish
+
+    def meta_info(self) -> dict[str, Any]:
+        """SGLang-style meta_info: the engine's figures, the finish, and the logprobs in SGLang's shapes
+        (output_token_logprobs [[logprob, id], ...], output_top_logprobs [[[logprob, id], ...], ...])."""
+        meta: dict[str, Any] = {"id": self.rid, "finish_reason": self.finish_reason, **self.meta}
+        meta["id"] = self.rid
+        meta["finish_reason"] = self.finish_reason
+        if self.finished:
+            meta["completion_tokens"] = len(self.ids)
+        if self.logprobs is not None:
+            meta["output_token_logprobs"] = [[v, t] for v, t in zip(self.logprobs, self.ids)]
+            meta["output_top_logprobs"] = [[[v, t] for t, v in alts] for alts in (self.top_logprobs or [])]
+        return meta

@@ -1,0 +1,112 @@
+"""Typed messages between the HTTP process and the engine process (pickled over ZMQ). Torch-free.
+
+HTTP -> engine: GenerateReq, AbortReq, FlushCacheReq, PingReq, ShutdownReq.
+engine -> HTTP: EngineReady or EngineFailed once at start-up, then one list per iteration of Accepted /
+Rejected / RequestOutput / FlushCacheResult / Pong.
+
+Outputs are incremental: a RequestOutput carries only what its request committed since its previous message
+(whole blocks, never revised afterwards), so a message costs the same early and late in a long generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from redraft.protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortReq:
+    """End a request now. `finish` replaces the finish reason "abort" (the HTTP side matched a stop string),
+    and `keep_tokens` cuts the output there (tokens committed after the match are not part of the answer)."""
+
+    rid: str
+    finish: dict[str, Any] | None = None
+    keep_tokens: int | None = None
+
+
+@dataclass
+class FlushCacheReq:
+    token: str
+
+
+@dataclass
+class PingReq:
+    token: str
+
+
+@dataclass
+class ShutdownReq:
+    pass
+
+
+@dataclass
+class Accepted:
+    """The engine queued the request (sent at once, so a stream's HTTP status can wait for it), with the
+    values its defaults resolved to."""
+
+    rid: str
+    mode: str  # "S" or "Q"
+    max_new_tokens: int
+
+
+@dataclass
+class Rejected:
+    """The engine refused a request at admission: HTTP status, message, OpenAI error code and the offending
+    parameter (named as in sampling_params: the routes rename it to their own field)."""
+
+    rid: str
+    status: int
+    message: str
+    code: str = "invalid_request_error"
+    param: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one request committed since its previous message, and its finish.
+
+    new_ids:      output tokens of the blocks committed since the last message (cut to max_new_tokens and
+                  through the first EOS/stop token on the last one)
+    new_logprobs: their log-probabilities, and the top alternatives [(token, logprob), ...] at each, when asked
+    meta:         progress (`steps`, `blocks`) on every message; the whole meta_info once finished
+    """
+
+    rid: str
+    new_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None = None
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlushCacheResult:
+    token: str
+    ok: bool
+    message: str = ""
+
+
+@dataclass
+class Pong:
+    token: str
+    stats: dict[str, Any]
+
+
+@dataclass
+class EngineReady:
+    info: dict[str, Any]
+
+
+@dataclass
+class EngineFailed:
+    message: str

@@ -1,0 +1,270 @@
+"""Per-request decoding parameters, the mode presets, and the one function that resolves defaults. Torch-free.
+
+A request names what it wants; anything it leaves unset (None) is decided by `resolve`, walking one chain:
+
+    1. the request itself                      (SamplingParams)
+    2. the operator's explicit flags           (ServerArgs.request_defaults(): only flags given on the command line)
+    3. the checkpoint's generation_config.json (Defaults.from_generation_config)
+    4. the mode preset, then the built-in defaults below
+
+Thresholds follow the mode of the highest level that names either: a level that names `mode` but no
+`threshold` uses that mode's preset and hides thresholds set at lower levels (a request asking for S gets
+S's thresholds even if generation_config.json sets others). `/generate`, `/v1/*` and the offline `Engine` all
+resolve through this function, in the engine, at admission.
+
+Mode presets from the LLaDA2.1 model card (block 32, temperature 0):
+    Q (quality): threshold 0.7, edit_threshold 0.5, max_post_steps 16
+    S (speed):   threshold 0.5, edit_threshold 0.0, max_post_steps 16
+`auto` picks S for the code and math domains and Q otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
+
+BLOCK_SIZE = 32  # LLaDA2.1 decodes in blocks of 32 tokens; one KV page holds exactly one block.
+
+PRESETS: dict[str, tuple[float, float, int]] = {
+    "Q": (0.7, 0.5, 16),
+    "S": (0.5, 0.0, 16),
+}
+AUTO_SPEED_DOMAINS = frozenset({"code", "math"})
+MODES = ("S", "Q", "auto")
+MAX_MBE_WINDOW = 8
+INT64_MAX = 2**63 - 1
+
+# Level 4: what a request gets when no level names a value. max_new_tokens from here (or from any default
+# level) is capped by the context left after the prompt, so a default never makes a request too long.
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 1024,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "mode": "Q",
+    "mbe_window": 1,
+}
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is invalid; `param` names it (for the API's error body)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """One level of defaults below the request (operator flags, or generation_config.json); None = not set."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    mode: str | None = None
+    threshold: float | None = None
+    edit_threshold: float | None = None
+    max_post_steps: int | None = None
+    mbe_window: int | None = None
+
+    def __post_init__(self) -> None:
+        _validate_common(self, "")
+
+    @classmethod
+    def from_generation_config(cls, raw: dict[str, Any]) -> "Defaults":
+        """The keys redraft reads from a checkpoint's generation_config.json (`editing_threshold` is the
+        diffusers spelling of edit_threshold); anything else there is ignored."""
+        values = {k: raw[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "threshold",
+                                      "edit_threshold", "max_post_steps") if raw.get(k) is not None}
+        if "edit_threshold" not in values and raw.get("editing_threshold") is not None:
+            values["edit_threshold"] = raw["editing_threshold"]
+        if values.get("top_k") == 0:
+            values["top_k"] = -1  # HF's "off"
+        try:
+            return cls(**values)
+        except SamplingParamsError as exc:
+            raise ValueError(f"generation_config.json: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks for (SGLang's sampling_params keys plus the diffusion ones). None = unset."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    mode: str | None = None  # "S" | "Q" | "auto"
+    threshold: float | None = None
+    edit_threshold: float | None = None
+    max_post_steps: int | None = None
+    mbe_window: int | None = None
+    domain: str | None = None
+    logprobs: bool = False  # per-token logprobs (of the forward that last saw each block)
+    top_logprobs: int = 0  # and the top alternatives at each position, 0..20
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
+        if raw is None:
+            return cls()
+        if isinstance(raw, SamplingParams):
+            return raw
+        if not isinstance(raw, dict):
+            raise SamplingParamsError(f"sampling_params must be an object, got {type(raw).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise SamplingParamsError(f"unsupported sampling parameter(s): {', '.join(unknown)}", unknown[0])
+        values = dict(raw)
+        if isinstance(values.get("stop"), str):
+            values["stop"] = (values["stop"],)
+        for key in ("stop", "stop_token_ids"):
+            if values.get(key) is None:
+                values.pop(key, None)
+            elif not isinstance(values[key], (list, tuple)):
+                raise SamplingParamsError(f"{key} must be a list", key)
+            else:
+                values[key] = tuple(values[key])
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        def fail(msg: str, param: str) -> None:
+            raise SamplingParamsError(msg, param)
+
+        _validate_common(self, "")
+        # seed travels to the model runner as an int64 tensor: a larger value would crash its step.
+        if self.seed is not None and (not _is_int(self.seed) or not -INT64_MAX - 1 <= self.seed <= INT64_MAX):
+            fail("seed must be an integer in [-2^63, 2^63)", "seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop must hold non-empty strings", "stop")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids must hold non-negative integers", "stop_token_ids")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos must be a boolean", "ignore_eos")
+        if not isinstance(self.logprobs, bool):
+            fail("logprobs must be a boolean", "logprobs")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
+            fail("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+        if self.domain is not None and not isinstance(self.domain, str):
+            fail("domain must be a string", "domain")
+
+
+def _validate_common(p: SamplingParams | Defaults, prefix: str) -> None:
+    """Ranges of the fields a request and a defaults level share (None always passes)."""
+    def fail(msg: str, param: str) -> None:
+        raise SamplingParamsError(prefix + msg, param)
+
+    if p.max_new_tokens is not None and (not _is_int(p.max_new_tokens) or p.max_new_tokens < 1):
+        fail("max_new_tokens must be an integer >= 1", "max_new_tokens")
+    if p.temperature is not None and (not _is_num(p.temperature) or not 0.0 <= p.temperature <= 100.0):
+        fail("temperature must be a number in [0, 100]", "temperature")
+    if p.top_p is not None and (not _is_num(p.top_p) or not 0.0 < p.top_p <= 1.0):
+        fail("top_p must be in (0, 1]", "top_p")
+    if p.top_k is not None and (not _is_int(p.top_k) or not -1 <= p.top_k <= INT64_MAX):
+        fail("top_k must be an integer in [-1, 2^63) (-1 or 0 disables it)", "top_k")
+    if p.mode is not None and p.mode not in MODES:
+        fail(f"mode must be one of {', '.join(MODES)}, got {p.mode!r}", "mode")
+    for name in ("threshold", "edit_threshold"):
+        v = getattr(p, name)
+        if v is not None and (not _is_num(v) or not 0.0 <= v <= 1.0):
+            fail(f"{name} must be a number in [0, 1]", name)
+    if p.max_post_steps is not None and (not _is_int(p.max_post_steps) or not 0 <= p.max_post_steps <= 1024):
+        fail("max_post_steps must be an integer in [0, 1024]", "max_post_steps")
+    if p.mbe_window is not None and (not _is_int(p.mbe_window) or p.mbe_window < 1):
+        fail("mbe_window must be an integer >= 1", "mbe_window")
+    if p.mbe_window is not None and p.mbe_window != 1:
+        fail("mbe_window > 1 (multi-block editing) is not implemented yet; use 1", "mbe_window")
+
+
+@dataclass(frozen=True)
+class ResolvedParams:
+    """Every value the decoding of one request uses, after `resolve`: nothing is left unset."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    mode: str  # "S" or "Q" (auto resolved by domain)
+    threshold: float
+    edit_threshold: float
+    max_post_steps: int
+    mbe_window: int
+    domain: str | None
+    logprobs: bool
+    top_logprobs: int
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+
+def effective_mode(mode: str, domain: str | None) -> str:
+    """S or Q: `auto` means S for the code and math domains, Q otherwise."""
+    if mode == "auto":
+        return "S" if (domain or "").lower() in AUTO_SPEED_DOMAINS else "Q"
+    return mode
+
+
+def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_len: int = 0,
+            max_model_len: int | None = None) -> ResolvedParams:
+    """THE chain of defaults (module docstring): request, then each of `levels` in order, then the built-ins."""
+    chain: list[SamplingParams | Defaults] = [params, *levels]
+
+    def first(name: str) -> tuple[Any, bool]:
+        """(value, whether the request itself set it)."""
+        for i, level in enumerate(chain):
+            value = getattr(level, name)
+            if value is not None:
+                return value, i == 0
+        return BUILTIN_DEFAULTS[name], False
+
+    mode = effective_mode(first("mode")[0], params.domain)
+    preset = dict(zip(("threshold", "edit_threshold", "max_post_steps"), PRESETS[mode]))
+    decoding: dict[str, Any] = {}
+    for name in preset:
+        decoding[name] = preset[name]
+        for level in chain:  # the highest level naming this value or a mode decides
+            if getattr(level, name) is not None:
+                decoding[name] = getattr(level, name)
+                break
+            if level.mode is not None:
+                break
+    max_new, from_request = first("max_new_tokens")
+    if not from_request and max_model_len is not None:
+        max_new = max(1, min(max_new, max_model_len - prompt_len))
+    top_k = first("top_k")[0]
+    return ResolvedParams(
+        max_new_tokens=int(max_new),
+        temperature=float(first("temperature")[0]),
+        top_p=float(first("top_p")[0]),
+        top_k=-1 if top_k == 0 else int(top_k),
+        seed=params.seed,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        mode=mode,
+        threshold=float(decoding["threshold"]),
+        edit_threshold=float(decoding["edit_threshold"]),
+        max_post_steps=int(decoding["max_post_steps"]),
+        mbe_window=int(first("mbe_window")[0]),
+        domain=params.domain,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
+    )

@@ -1,0 +1,138 @@
+"""`ServerArgs`: every operator setting of redraft, each with its one default. Torch-free.
+
+The command line (`redraft serve`, `redraft generate`) is generated from these fields, the offline
+`redraft.Engine(**kwargs)` takes the same names, and the engine core derives the scheduler's and the model
+runner's settings from it: a default is written here and nowhere else.
+
+Fields whose default is None and that a request can also set (`default_mode`, `default_max_tokens`,
+`mbe_window`) form the "operator's explicit flags" level of the defaults chain (sampling_params.resolve):
+only a value the operator actually gave takes part in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from redraft.protocol.sampling_params import MODES, Defaults
+
+DEFAULT_DOMAINS = ("code", "math", "chat")  # the metrics' `domain` label values unless --domains says otherwise
+
+
+def _opt(help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (), choices: tuple | None = None,
+         cli: str = "engine", default: Any = None, default_factory: Any = None, **argparse_extra: Any) -> Any:
+    """A field with its command-line description. cli: "engine" (serve and generate), "serve" (the HTTP
+    server only) or "" (Python only)."""
+    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "cli": cli, **argparse_extra}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # ---- model ---------------------------------------------------------------------------------------
+    model_path: str | None = _opt("checkpoint directory (Hugging Face layout); default: the bundled demo model",
+                                  flag="--model", aliases=("--model-path",))
+    device: str = _opt("cpu or cuda", choices=("cpu", "cuda"), default="cpu")
+    dtype: str | None = _opt("float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
+    kernel_backend: str = _opt("attention and MoE kernels: plain torch, or Triton (interpreted on CPU)",
+                               choices=("torch", "triton"), default="torch")
+    quantization: str | None = _opt(
+        "fp8: e4m3 weights with a float32 scale per 128x128 block, quantised at load (FP8 checkpoints with a "
+        "DeepSeek-style quantization_config load as FP8 without it); lm_head stays in --dtype",
+        choices=("fp8",))
+    load_format: str = _opt("auto/safetensors: the checkpoint's weights; dummy: random weights of its shape",
+                            choices=("auto", "safetensors", "dummy"), default="auto")
+    seed: int = _opt("seed of load_format=dummy weights", cli="", default=0)
+    # ---- memory and batching -------------------------------------------------------------------------
+    max_total_tokens: int | None = _opt("KV cache capacity in tokens (default: sized for the device)", type=int)
+    mem_fraction_static: float = _opt("GPU memory share for weights + KV cache", default=0.85, type=float)
+    chunked_prefill_size: int = _opt("prefill-token budget of one iteration", default=8192, type=int)
+    max_running_requests: int = _opt("requests decoded together at most", default=256, type=int)
+    max_queued_requests: int | None = _opt("beyond this many waiting requests: 503", type=int)
+    schedule_policy: str = _opt("admission order: first come first served, or longest cached prefix first",
+                                choices=("fcfs", "lpm"), default="fcfs")
+    enable_prefix_cache: bool = _opt("reuse the K/V of cached prompt blocks (radix tree)", flag="--disable-radix-cache",
+                                     default=True, action="store_false")
+    # ---- request defaults (the operator's level of the defaults chain; None = not given) ----------------
+    default_mode: str | None = _opt("decoding mode of requests that name none (default Q)", choices=MODES)
+    default_max_tokens: int | None = _opt(
+        "max_new_tokens / max_tokens of requests that name none (default: generation_config.json's, else 1024; "
+        "a default is always capped by the context left after the prompt)", type=int)
+    # ---- speed -----------------------------------------------------------------------------------------
+    cuda_graph_max_bs: int = _opt("largest batch replayed from a CUDA graph", default=64, type=int)
+    disable_cuda_graph: bool = _opt("run the denoising step eagerly on GPUs too", default=False, action="store_true")
+    cpu_threads: int | None = _opt("torch threads on CPU (default: torch's choice; 1 is best on a busy machine)",
+                                   type=int)
+    # ---- HTTP server -----------------------------------------------------------------------------------
+    host: str = _opt("address to listen on", cli="serve", default="127.0.0.1")
+    port: int = _opt("port to listen on", cli="serve", default=30000, type=int)
+    served_model_name: str | None = _opt("the model name clients use (default: the folder name)", cli="serve")
+    api_key: tuple[str, ...] = _opt(
+        "require `Authorization: Bearer KEY` (repeat for several keys; /health, /live and /metrics stay open)",
+        cli="serve", default=(), action="append")
+    max_body_bytes: int = _opt("larger request bodies get 413", cli="serve", default=8 * 2**20, type=int)
+    domains: str = _opt("the values of the metrics' `domain` label (a request's domain outside them counts as "
+                        "`other`), comma-separated", cli="serve", default=",".join(DEFAULT_DOMAINS))
+    log_level: str = _opt("logging level", default="info")
+    # ---- Python only ---------------------------------------------------------------------------------------
+    progress: bool = _opt("progress bar while loading weights", cli="", default=True)
+    # Benchmark baseline: every forward recomputes the whole prefix (the official generate() without a KV
+    # cache). Outputs are the same; only the work differs.
+    recompute_prefix: bool = _opt("no KV cache reuse at all (benchmark baseline)", cli="", default=False)
+    trace_edits: bool = _opt("record every T2T edit in meta_info['edit_trace']", cli="", default=False)
+
+    def __post_init__(self) -> None:
+        if self.default_mode is not None and self.default_mode not in MODES:
+            raise ValueError(f"default_mode must be S, Q or auto, got {self.default_mode!r}")
+        if self.quantization not in (None, "none", "fp8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}: choose fp8 (or none)")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.kernel_backend not in ("torch", "triton"):
+            raise ValueError(f"unknown kernel backend {self.kernel_backend!r} (choose torch or triton)")
+        Defaults(mode=self.default_mode, max_new_tokens=self.default_max_tokens)  # range checks
+
+    @property
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+    def request_defaults(self) -> Defaults:
+        """The operator's level of the defaults chain: only the flags that were given."""
+        return Defaults(mode=self.default_mode, max_new_tokens=self.default_max_tokens)
+
+    def replace(self, **changes: Any) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    # ---- command line ------------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, groups: tuple[str, ...] = ("engine", "serve")) -> None:
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if meta.get("cli") not in groups:
+                continue
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+            for key in ("type", "action"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+            if meta["choices"]:
+                kwargs["choices"] = list(meta["choices"])
+            if kwargs.get("action") == "append":
+                kwargs["default"] = []
+            else:
+                kwargs["default"] = f.default if f.default is not dataclasses.MISSING else None
+                if kwargs["default"] is not None and kwargs.get("action") is None:
+                    kwargs["help"] += " (default: %(default)s)"
+            parser.add_argument(flag, *meta["aliases"], **kwargs)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in names}
+        if "api_key" in values:
+            values["api_key"] = tuple(values["api_key"] or ())
+        return cls(**{**values, **overrides})
