@@ -6,8 +6,8 @@ between consecutive blocks early and late in it, for this checkout and (optional
     python -m redraft.clients.bench_long_output --baseline-src /tmp/before         # before vs after
 
 Each source serves the same tiny random checkpoint (`redraft serve`, one engine thread) and answers the same
-`/v1/completions` stream: `--new-tokens` tokens (4096 by default) with `ignore_eos`, logprobs with 5
-alternatives and a stop string that never matches, decoded with threshold 0, editing off and
+`/v1/completions` streams: `--new-tokens` tokens (4096 by default) with `ignore_eos`, plain text, then with
+logprobs (5 alternatives) and a stop string that never matches, decoded with threshold 0, editing off and
 max_post_steps 0, so that every block takes exactly one forward and the forward's own cost (which grows with
 the context, in both sources alike) stays small beside the output path under test: the engine's message per
 block, the HTTP side's detokenization and stop-string matching, the logprobs. Reported per source: the median
@@ -50,12 +50,17 @@ def package_dir(src: Path, into: Path) -> Path:
     return into
 
 
-async def one_stream(base_url: str, new_tokens: int) -> list[float]:
+VARIANTS = {
+    "text": {},
+    "text + logprobs 5 + stop string": {"logprobs": 5, "stop": [NEVER]},
+}
+
+
+async def one_stream(base_url: str, new_tokens: int, extra: dict) -> list[float]:
     import httpx
 
     body = {"prompt": "the long answer", "max_tokens": new_tokens, "stream": True, "ignore_eos": True,
-            "logprobs": 5, "stop": [NEVER], "threshold": 0.0, "edit_threshold": 1.0, "max_post_steps": 0,
-            "temperature": 0.0}
+            "threshold": 0.0, "edit_threshold": 1.0, "max_post_steps": 0, "temperature": 0.0, **extra}
     times: list[float] = []
     async with httpx.AsyncClient(timeout=600.0, trust_env=False) as client:
         async for event in sse_events(client, base_url + "/v1/completions", body, {}):
@@ -64,7 +69,9 @@ async def one_stream(base_url: str, new_tokens: int) -> list[float]:
     return times
 
 
-def measure(name: str, ckpt: Path, pythonpath: str | None, args: argparse.Namespace, workdir: Path) -> dict:
+def measure(name: str, ckpt: Path, pythonpath: str | None, args: argparse.Namespace, workdir: Path
+            ) -> dict[str, tuple[list[float], list[float], int]]:
+    """Per variant: (early gaps, late gaps, blocks) of `args.runs` streams from one server of this source."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
@@ -73,18 +80,22 @@ def measure(name: str, ckpt: Path, pythonpath: str | None, args: argparse.Namesp
     server = LaunchedServer(srv_args, workdir, env=env)
     try:
         server.wait_healthy(300.0)
-        gaps_early, gaps_late, blocks = [], [], 0
-        for _ in range(args.runs):
-            times = asyncio.run(one_stream(server.base_url, args.new_tokens))
-            gaps = [b - a for a, b in zip(times, times[1:])]
-            blocks = len(times)
-            w = min(args.window, len(gaps) // 2)
-            gaps_early += gaps[1 : 1 + w]  # the first gap can include warm-up
-            gaps_late += gaps[-w:]
+        out: dict[str, tuple[list[float], list[float], int]] = {}
+        for variant, extra in VARIANTS.items():
+            gaps_early: list[float] = []
+            gaps_late: list[float] = []
+            blocks = 0
+            for _ in range(args.runs):
+                times = asyncio.run(one_stream(server.base_url, args.new_tokens, extra))
+                gaps = [b - a for a, b in zip(times, times[1:])]
+                blocks = len(times)
+                w = min(args.window, len(gaps) // 2)
+                gaps_early += gaps[1 : 1 + w]  # the first gap can include warm-up
+                gaps_late += gaps[-w:]
+            out[variant] = (gaps_early, gaps_late, blocks)
     finally:
         server.stop()
-    early, late = statistics.median(gaps_early) * 1e3, statistics.median(gaps_late) * 1e3
-    return {"source": name, "blocks": blocks, "early_ms": early, "late_ms": late, "late_over_early": late / early}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-src", type=Path, default=None, help="an older checkout to measure beside this one")
     p.add_argument("--new-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=16, help="blocks at each end (default 16)")
-    p.add_argument("--runs", type=int, default=3, help="streams per source (default 3)")
+    p.add_argument("--runs", type=int, default=3, help="streams per server (default 3)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="servers per source, started in turn (before, after, before, ...) so drift hits both alike")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     from redraft.engine.tiny import make_tiny_checkpoint
@@ -102,17 +115,30 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         ckpt = make_tiny_checkpoint(work / "tiny", seed=0,
                                     config_overrides={"max_position_embeddings": args.new_tokens + 128})
-        rows = []
+        sources: list[tuple[str, str | None]] = []
         if args.baseline_src is not None:
-            path = package_dir(args.baseline_src.resolve(), work / "baseline-pkg")
-            rows.append(measure("before", ckpt, str(path), args, work))
-        rows.append(measure("after (this checkout)", ckpt, None, args, work))
-    print(f"\none /v1/completions stream of {args.new_tokens} tokens (1 forward per block, logprobs 5, a stop string), "
-          f"median gap between blocks over the first and last {args.window} blocks, {args.runs} runs per source\n")
-    print("| source | blocks | early ms/block | late ms/block | late / early |")
-    print("|---|---|---|---|---|")
+            sources.append(("before", str(package_dir(args.baseline_src.resolve(), work / "baseline-pkg"))))
+        sources.append(("after (this checkout)", None))
+        gaps = {(name, v): ([], []) for name, _ in sources for v in VARIANTS}
+        blocks = 0
+        for _ in range(args.rounds):
+            for name, path in sources:
+                for variant, (early, late, blocks) in measure(name, ckpt, path, args, work).items():
+                    gaps[name, variant][0].extend(early)
+                    gaps[name, variant][1].extend(late)
+        rows = []
+        for (name, variant), (early, late) in gaps.items():
+            e, l = statistics.median(early) * 1e3, statistics.median(late) * 1e3
+            rows.append({"source": name, "stream": variant, "blocks": blocks, "early_ms": e, "late_ms": l,
+                         "late_over_early": l / e})
+    print(f"\none /v1/completions stream of {args.new_tokens} tokens (1 forward per block), "
+          f"median gap between blocks over the first and last {args.window} blocks, {args.rounds} servers x "
+          f"{args.runs} streams per source\n")
+    print("| source | stream | blocks | early ms/block | late ms/block | late / early |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['source']} | {r['blocks']} | {r['early_ms']:.2f} | {r['late_ms']:.2f} | {r['late_over_early']:.2f}x |")
+        print(f"| {r['source']} | {r['stream']} | {r['blocks']} | {r['early_ms']:.2f} | {r['late_ms']:.2f} | "
+              f"{r['late_over_early']:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

@@ -89,6 +89,7 @@ class Request:
     # an abort that names where the answer ends (a stop string the consumer matched).
     sent_tokens: int = 0
     output_limit: int | None = None
+    output_end: int = 2**62  # set when a stop token ends the request: the output ends right after it
     # The model runner's per-request state lives in row `slot` of its slot tensors (given by the scheduler
     # while running, -1 otherwise); `block_version` changes whenever the active block (re)starts, which tells
     # the runner to reload that row.
@@ -202,13 +203,16 @@ class Request:
         if self.block_logprobs is not None:
             self.final_logprobs[self.active_block] = self.block_logprobs
             self.block_logprobs = None
-        generated = self.tokens[self.prompt_len : (self.active_block + 1) * self.block_size]
+        # Only the active block can hold a new stop token: an earlier one would have ended the request at its block.
+        lo = max(self.prompt_len, self.active_block * self.block_size)
+        hi = min((self.active_block + 1) * self.block_size, self.prompt_len + self.params.max_new_tokens)
         stops = self._stop_ids()
-        if self.active_block < self.last_block and not any(t in stops for t in generated):
+        hit = next((i for i in range(lo, hi) if self.tokens[i] in stops), None)
+        if hit is not None:
+            self.output_end = hit + 1  # through the first stop token
+            return FinishReason("stop", matched=self.tokens[hit])
+        if self.active_block < self.last_block:
             return None
-        out = self.output_ids()
-        if out and out[-1] in stops:
-            return FinishReason("stop", matched=out[-1])
         return FinishReason("length")
 
     def _stop_ids(self) -> set[int]:
@@ -220,15 +224,10 @@ class Request:
 
     def output_ids(self) -> list[int]:
         """Generated tokens of the final blocks, cut to max_new_tokens, then through the first EOS/stop token."""
-        end = min(self.final_blocks * self.block_size, self.prompt_len + self.params.max_new_tokens)
+        end = min(self.final_blocks * self.block_size, self.prompt_len + self.params.max_new_tokens, self.output_end)
         if self.output_limit is not None:
             end = min(end, self.prompt_len + self.output_limit)
-        out = self.tokens[self.prompt_len : end]
-        stops = self._stop_ids()
-        for i, t in enumerate(out):
-            if t in stops:
-                return out[: i + 1]
-        return list(out)
+        return self.tokens[self.prompt_len : end]
 
     def output_logprobs(self, start: int = 0) -> tuple[list[float], list] | None:
         """(logprob of each output token, top alternatives at each) for output_ids()[start:], or None when
