@@ -212,7 +212,7 @@ def compile_report(shapes: str | None = None) -> int:
                 sig[n] = "constexpr"
             elif n in ("Q", "K", "V", "KC", "VC", "Out"):
                 sig[n] = f"*{ty[dtype]}"
-            elif n in ("Slots", "PageTable", "QStarts", "QLens", "CuQ"):
+            elif n in ("Slots", "PageTable", "QStarts", "QLens", "CuQ", "WinStarts"):
                 sig[n] = "*i64"
             elif n == "qk_scale":
                 sig[n] = "fp32"

@@ -186,7 +186,9 @@ class EngineCore:
                     t.queue_time = now - t.enqueued
             self.scheduler.update(items, self.runner.run(items))
             self.num_forwards += 1
-        return [self._output(req) for req in self.scheduler.drain_updates()]
+        outs = [self._output(req) for req in self.scheduler.drain_updates()]
+        # A block that ended inside an open MBE window committed nothing yet: no message until something does.
+        return [o for o in outs if o.new_ids or o.finished]
 
     def _output(self, req: Request) -> RequestOutput:
         ids = req.output_ids()
@@ -221,8 +223,10 @@ class EngineCore:
             "steps": steps,
             "tokens_per_forward": n_out / max(steps, 1),
             "edits": req.stats.edits,
+            "mbe_edits": req.stats.mbe_edits,
             "blocks": req.stats.blocks,
             "mode": req.params.mode,
+            "mbe_window": req.params.mbe_window,
             "domain": req.params.domain,
             "queue_time": timing.queue_time if timing else None,
             "e2e_latency": time.monotonic() - timing.enqueued if timing else None,

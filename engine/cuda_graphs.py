@@ -157,10 +157,11 @@ class DecodeGraphs:
 
     # -- which batches qualify ------------------------------------------------------------------------
     def can_run(self, items: list["WorkItem"]) -> bool:
-        """Plain denoising steps only: every item decodes exactly its active block."""
+        """Plain denoising steps only: every item decodes exactly its active block, with no MBE window."""
         return (
             0 < len(items) <= self.max_bs
-            and all(it.decodes and it.first == it.last and it.last < self.max_pages for it in items)
+            and all(it.decodes and it.first == it.last == it.req.window_start and it.last < self.max_pages
+                    for it in items)
         )
 
     def bucket(self, n: int) -> int:
@@ -172,7 +173,8 @@ class DecodeGraphs:
         return AttentionMetadata(
             block_size=self.b, positions=self.positions[:n_tok], slot_mapping=self.slot_mapping[:n_tok],
             page_tables=self.page_tables[:bs], kv_lens=self.kv_lens[:bs], q_starts=self.q_starts[:bs],
-            q_lens=self.q_lens[:bs], cu_q=self.cu_q[: bs + 1], max_q=self.b, max_kv=self.max_pages * self.b,
+            q_lens=self.q_lens[:bs], window_starts=self.kv_lens[:bs], cu_q=self.cu_q[: bs + 1], max_q=self.b,
+            max_kv=self.max_pages * self.b,
         )
 
     def _forward(self, bs: int) -> torch.Tensor:  # -> logits [bs, B, V] (>= fp32), a view of self.logits

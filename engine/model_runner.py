@@ -2,10 +2,11 @@
 
 Owns the model, the KV cache tensors (pages are allocated by the scheduler's PagePool; this class only
 reads/writes the rows the page ids point at) and the per-slot decoding state: each running request holds a
-slot (`Request.slot`, given by the scheduler), and the tensors below keep, per slot, its active block's tokens,
-which of them may be edited, and its thresholds and sampling settings. A slot's row is loaded from the request
-when its block begins (`Request.block_version` changes) and updated in place by each step, so a steady-state
-step builds no per-request Python lists for the decoding step.
+slot (`Request.slot`, given by the scheduler), and the tensors below keep, per slot, the tokens of its open
+window (the active block alone without multi-block editing), which of them may be edited, and its thresholds
+and sampling settings. A slot's row is loaded from the request when its block begins (`Request.block_version`
+changes) and updated in place by each step, so a steady-state step builds no per-request Python lists for the
+decoding step. The step runs on [N, L] positions: every request's window, padded to the longest in the batch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from redraft.engine.config import ModelConfig
 from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, joint_threshold_step
 from redraft.engine.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
-from redraft.protocol.sampling_params import BLOCK_SIZE
+from redraft.protocol.sampling_params import BLOCK_SIZE, MAX_MBE_WINDOW
 from redraft.scheduler.request import Request
 from redraft.scheduler.scheduler import StepOutput, WorkItem
 
@@ -34,29 +35,36 @@ class ForwardBatch:
     q_starts: list[int]  # [N] first query position of each item
     q_lens: list[int]  # [N]
     page_tables: list[list[int]]  # [N][pages through the item's last block]
+    window_starts: list[int]  # [N] first position of the open MBE window (q_start + q_len: none)
 
 
 def build_forward_batch(items: list[WorkItem], block_size: int) -> ForwardBatch:
-    """Every item's window: blocks [first, last] of its tokens, with its page table through `last`."""
-    q_starts, q_lens, tables, ids = [], [], [], []
+    """Every item's query: blocks [first, last] of its tokens, with its page table through `last`; a decoding
+    item's open window [req.window_start, last] is bidirectional (prefill items are block-causal throughout)."""
+    q_starts, q_lens, tables, windows, ids = [], [], [], [], []
     for it in items:
         start, end = it.first * block_size, (it.last + 1) * block_size
         q_starts.append(start)
         q_lens.append(end - start)
         tables.append(it.req.pages[: it.last + 1])
+        windows.append(it.req.window_start * block_size if it.decodes else end)
         ids.extend(it.req.tokens[start:end])
-    return ForwardBatch(torch.tensor(ids, dtype=torch.long), q_starts, q_lens, tables)
+    return ForwardBatch(torch.tensor(ids, dtype=torch.long), q_starts, q_lens, tables, windows)
 
 
 class SlotState:
-    """Per-slot decoding state on the device, indexed by Request.slot: [S, ...] tensors, S = running slots."""
+    """Per-slot decoding state on the device, indexed by Request.slot: [S, ...] tensors, S = running slots,
+    L = the longest window (MAX_MBE_WINDOW blocks). Positions past a request's window hold PAD (never MASK)
+    and are not editable, so the step leaves them alone."""
+
+    PAD = -1
 
     def __init__(self, num_slots: int, block_size: int, device: torch.device):
-        s, b = num_slots, block_size
+        s, w = num_slots, MAX_MBE_WINDOW * block_size
         self.block_size = block_size
-        self.tokens = torch.zeros(s, b, dtype=torch.long, device=device)  # [S, B] the active block
-        self.editable = torch.zeros(s, b, dtype=torch.bool, device=device)  # [S, B] False on prompt positions
-        self.block_start = torch.zeros(s, dtype=torch.long, device=device)  # [S] absolute position of the block
+        self.tokens = torch.full((s, w), self.PAD, dtype=torch.long, device=device)  # [S, L] the open window
+        self.editable = torch.zeros(s, w, dtype=torch.bool, device=device)  # [S, L] False on prompt and padding
+        self.window_start = torch.zeros(s, dtype=torch.long, device=device)  # [S] absolute position of the window
         self.steps = torch.zeros(s, dtype=torch.long, device=device)  # [S] the request's denoising steps
         self.threshold = torch.zeros(s, dtype=torch.float64, device=device)
         self.edit_threshold = torch.zeros(s, dtype=torch.float64, device=device)
@@ -75,21 +83,25 @@ class SlotState:
 
     def _load_row(self, r: Request) -> None:
         i, p, b = r.slot, r.params, self.block_size
-        start = r.active_block * b
-        self.tokens[i] = torch.tensor(r.active_tokens(), dtype=torch.long)
-        self.editable[i] = torch.arange(start, start + b) >= r.prompt_len
-        self.block_start[i] = start
+        start = r.window_start * b
+        window = r.window_tokens()
+        n = len(window)
+        self.tokens[i] = self.PAD
+        self.tokens[i, :n] = torch.tensor(window, dtype=torch.long)
+        self.editable[i] = False
+        self.editable[i, :n] = torch.arange(start, start + n) >= r.prompt_len
+        self.window_start[i] = start
         self.steps[i] = r.stats.steps
         self.threshold[i], self.edit_threshold[i] = p.threshold, p.edit_threshold
         self.temperature[i], self.top_k[i], self.top_p[i] = p.temperature, p.top_k, p.top_p
         self.seed[i] = p.seed or 0
         self._owner[i] = (r.rid, r.block_version)
 
-    def sampling(self, slots: torch.Tensor) -> SamplingBatch:
-        ar = torch.arange(self.block_size, device=slots.device)
+    def sampling(self, slots: torch.Tensor, width: int) -> SamplingBatch:
+        ar = torch.arange(width, device=slots.device)
         return SamplingBatch(
             temperature=self.temperature[slots], top_k=self.top_k[slots], top_p=self.top_p[slots],
-            seeds=self.seed[slots], steps=self.steps[slots], positions=self.block_start[slots, None] + ar[None, :],
+            seeds=self.seed[slots], steps=self.steps[slots], positions=self.window_start[slots, None] + ar[None, :],
         )
 
 
@@ -148,57 +160,68 @@ class ModelRunner:
         exclude_mask_(logits, self.mask_id)  # our scratch: the step and the logprobs both read it this way
         reqs = [items[i].req for i in decoding]
         slots = self.slots.load(reqs)
+        lens = [r.window_size * self.block_size for r in reqs]  # each window's positions
         result = self._step(logits, slots, reqs)
+        # T2T edits in blocks before the active one (the last block of each window): multi-block edits
+        before_active = torch.arange(logits.shape[1], device=self.device)[None, :] < \
+            torch.tensor(lens, device=self.device)[:, None] - self.block_size
         out = StepOutput(
-            tokens=result.tokens.tolist(),
+            tokens=[row[:n] for row, n in zip(result.tokens.tolist(), lens)],
             had_mask=result.had_mask.tolist(),
             m2t=result.m2t.sum(-1).tolist(),
             t2t=result.t2t.sum(-1).tolist(),
+            mbe_edits=(result.t2t & before_active).sum(-1).tolist(),
         )
         wants = [r.params.wants_logprobs for r in reqs]
         if any(wants):
-            self._logprobs(logits, result.tokens, reqs, wants, out)
+            self._logprobs(logits, result.tokens, reqs, wants, lens, out)
         return out
 
     def _forward_eager(self, items: list[WorkItem], batch: ForwardBatch) -> tuple[torch.Tensor | None, list[int]]:
-        """Any batch; logits [N, B, V] of the decoding items' active blocks."""
+        """Any batch; logits [N, L, V] of the decoding items' open windows (L: the longest; shorter windows
+        repeat their last row in the padding, which the step never reads)."""
         b = self.block_size
         meta = AttentionMetadata.build(batch.q_starts, batch.q_lens, batch.page_tables, b, self.device,
-                                       with_torch_plan=self.model.kernel_backend == "torch")
+                                       with_torch_plan=self.model.kernel_backend == "torch",
+                                       window_starts=batch.window_starts)
         hidden = self.model(batch.input_ids.to(self.device), meta, self.k_cache, self.v_cache)  # [T, H]
         decoding = [i for i, it in enumerate(items) if it.decodes]
         if not decoding:
             return None, decoding
-        ends = meta.cu_q[1:][decoding]  # [N] flat end of each decoding window = end of its active block
-        rows = ends[:, None] - b + torch.arange(b, device=self.device)[None, :]  # [N, B]
-        return self.model.logits(hidden[rows]), decoding  # [N, B, V]
+        lens = torch.tensor([items[i].req.window_size * b for i in decoding], device=self.device)  # [N]
+        ends = meta.cu_q[1:][decoding]  # [N] flat end of each decoding query = end of its active block
+        width = int(lens.max())
+        rows = (ends - lens)[:, None] + torch.arange(width, device=self.device)[None, :]  # [N, L]
+        rows = torch.minimum(rows, ends[:, None] - 1)
+        return self.model.logits(hidden[rows]), decoding  # [N, L, V]
 
     def _step(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request]) -> StepResult:
-        s = self.slots
-        sampling = s.sampling(slots) if any(r.params.temperature > 0 for r in reqs) else None
-        result = joint_threshold_step(logits, s.tokens[slots], s.editable[slots], s.threshold[slots],
+        s, width = self.slots, logits.shape[1]
+        sampling = s.sampling(slots, width) if any(r.params.temperature > 0 for r in reqs) else None
+        result = joint_threshold_step(logits, s.tokens[slots, :width], s.editable[slots, :width], s.threshold[slots],
                                       s.edit_threshold[slots], self.mask_id, sampling, mask_excluded=True)
-        s.tokens[slots] = result.tokens  # the block after this step: next step's input
+        s.tokens[slots, :width] = result.tokens  # the window after this step: next step's input
         s.steps[slots] += 1
         return result
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Request], wants: list[bool],
-                  out: StepOutput) -> None:
-        """Log-probabilities of the block's tokens after the step, under this forward's raw distribution
+                  lens: list[int], out: StepOutput) -> None:
+        """Log-probabilities of the window's tokens after the step, under this forward's raw distribution
         (no temperature or filtering; MASK excluded), and the top alternatives where asked."""
         rows = [i for i, w in enumerate(wants) if w]
         lp = torch.log_softmax(logits[rows], -1)  # [n, B, V]
-        chosen = lp.gather(-1, tokens[rows][..., None]).squeeze(-1).tolist()  # [n, B]
+        chosen = lp.gather(-1, tokens[rows].clamp(min=0)[..., None]).squeeze(-1).tolist()  # [n, L] (PAD: any row)
         k = max(reqs[i].params.top_logprobs for i in rows)
         top_v, top_i = lp.topk(k, -1) if k else (None, None)
         out.logprobs = [None] * len(reqs)
         out.top_logprobs = [None] * len(reqs)
         for j, i in enumerate(rows):
-            out.logprobs[i] = chosen[j]
+            n = lens[i]
+            out.logprobs[i] = chosen[j][:n]
             ki = reqs[i].params.top_logprobs
             if ki and top_v is not None:
-                ids, vals = top_i[j, :, :ki].tolist(), top_v[j, :, :ki].tolist()
+                ids, vals = top_i[j, :n, :ki].tolist(), top_v[j, :n, :ki].tolist()
                 out.top_logprobs[i] = [list(zip(a, b)) for a, b in zip(ids, vals)]
             else:
-                out.top_logprobs[i] = [[] for _ in range(len(chosen[j]))]
+                out.top_logprobs[i] = [[] for _ in range(n)]

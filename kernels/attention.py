@@ -1,8 +1,11 @@
 """Block-causal paged attention: the one visibility rule, its metadata, and the plain-torch implementation.
 
-The rule (LLaDA2's block-diffusion mask): key k is visible to query q iff `block(k) <= block(q)`, with
-`block(i) = i // block_size` over absolute positions. It covers one-pass prompt prefill, the denoising step
-(the active block sees its whole prefix and itself) and a multi-block window alike.
+The rule: key k is visible to query q iff `block(k) <= horizon(q)`, with `block(i) = i // block_size` over
+absolute positions, and `horizon(q)` the request's active block (the last block of its window) when q lies in
+its open multi-block-editing window (positions >= `window_start`), else `block(q)`. Without a window it is
+LLaDA2's block-causal mask, `block(k) <= block(q)`: one-pass prompt prefill, the denoising step (the active
+block sees all its prefix and itself). With one, the open window is bidirectional inside itself and sees every
+committed block (docs/mbe.md), while committed blocks recomputed in the same forward stay block-causal.
 
 KV cache layout: one page per block. `k_cache[layer]`: [num_pages, block_size, Hkv, D]; a request's page
 table lists its pages block by block, so the key at position p lives in page `page_table[p // block_size]`,
@@ -17,9 +20,18 @@ import torch
 import torch.nn.functional as F
 
 
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int, window_start: torch.Tensor | int | None = None,
+            last_block: torch.Tensor | int | None = None) -> torch.Tensor:
+    """THE attention rule (module docstring). Broadcasts. `window_start`: first position of the open window
+    (None: no window); `last_block`: the active block, the horizon of every query in the window."""
+    q_blk = torch.div(q_pos, block_size, rounding_mode="floor")
+    horizon = q_blk if window_start is None else torch.where(q_pos >= window_start, last_block, q_blk)
+    return torch.div(k_pos, block_size, rounding_mode="floor") <= horizon
+
+
 def block_causal_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    """THE attention rule. Broadcasts: returns `k_pos // B <= q_pos // B`."""
-    return torch.div(k_pos, block_size, rounding_mode="floor") <= torch.div(q_pos, block_size, rounding_mode="floor")
+    """The rule without a window: `k_pos // B <= q_pos // B` (training's dual-copy mask builds on it)."""
+    return visible(q_pos, k_pos, block_size)
 
 
 @dataclass
@@ -29,6 +41,8 @@ class AttentionMetadata:
     The batch is a flat list of T query tokens: request r contributes the tokens of its window
     (whole blocks, positions `q_start[r] .. q_start[r] + q_len[r] - 1`); its keys are positions
     `0 .. kv_len[r] - 1` with kv_len = q_start + q_len (the window's K/V are written before attending).
+    Queries at positions >= window_starts[r] form the open multi-block-editing window (see `visible`);
+    window_starts[r] = kv_len[r] means none.
     """
 
     block_size: int
@@ -38,6 +52,7 @@ class AttentionMetadata:
     kv_lens: torch.Tensor  # [N]
     q_starts: torch.Tensor  # [N] first query position of each request
     q_lens: torch.Tensor  # [N]
+    window_starts: torch.Tensor  # [N] first position of the open window (kv_len: no window)
     cu_q: torch.Tensor  # [N + 1] offsets of each request's tokens in the flat batch
     max_q: int
     max_kv: int
@@ -56,9 +71,12 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
         with_torch_plan: bool = True,
+        window_starts: list[int] | None = None,
     ) -> "AttentionMetadata":
         n = len(q_starts)
         kv_lens = [s + l for s, l in zip(q_starts, q_lens)]
+        if window_starts is None:
+            window_starts = kv_lens
         max_pages = max(len(p) for p in page_tables)
         for r in range(n):
             if len(page_tables[r]) * block_size < kv_lens[r]:
@@ -80,6 +98,7 @@ class AttentionMetadata:
             kv_lens=torch.tensor(kv_lens, device=device),
             q_starts=torch.tensor(q_starts, device=device),
             q_lens=torch.tensor(q_lens, device=device),
+            window_starts=torch.tensor(window_starts, device=device),
             cu_q=torch.tensor(cu, device=device),
             max_q=max(q_lens),
             max_kv=max(kv_lens),
@@ -96,14 +115,17 @@ class AttentionMetadata:
         # Padded query rows take position 0 so that they see key 0 and never produce NaN rows.
         q_pos = torch.where(q_valid, q_starts[:, None] + ar_q[None, :], 0)
         k_pos = torch.arange(self.max_kv)  # keys are positions 0..kv_len-1 in page-table order
-        kv_valid = k_pos[None, :] < self.kv_lens.cpu()[:, None]  # [N, max_kv]
+        kv_lens = self.kv_lens.cpu()
+        kv_valid = k_pos[None, :] < kv_lens[:, None]  # [N, max_kv]
         page_of_key = pt[:, torch.clamp(k_pos // b, max=pt.shape[1] - 1)]  # [N, max_kv]
         kv_slots = torch.where(kv_valid, page_of_key * b + k_pos % b, 0)
-        visible = block_causal_visible(q_pos[:, :, None], k_pos[None, None, :], b) & kv_valid[:, None, :]
+        last_block = torch.div(kv_lens - 1, b, rounding_mode="floor")[:, None, None]  # [N, 1, 1]
+        seen = visible(q_pos[:, :, None], k_pos[None, None, :], b, self.window_starts.cpu()[:, None, None],
+                       last_block) & kv_valid[:, None, :]
         self.q_index = q_index.to(device)
         self.q_valid = q_valid.to(device)
         self.kv_slots = kv_slots.to(device)
-        self.mask = visible[:, None].to(device)
+        self.mask = seen[:, None].to(device)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

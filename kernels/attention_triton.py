@@ -7,8 +7,9 @@ Same signature, same semantics:
         k, v: [T, Hkv, D] the keys/values of those tokens, stored into their cache rows (slot_mapping)
         k_cache, v_cache: [P, B, Hkv, D] one page per block of B tokens
         out: [T, Hq, D]
-    key k is visible to query q iff k // B <= q // B and k < kv_len = q_start + q_len
-    (the rule of `block_causal_visible`).
+    key k is visible to query q iff k // B <= horizon(q) and k < kv_len = q_start + q_len, where horizon(q)
+    is the last block for a query in the request's open MBE window (q >= window_start) and q // B otherwise
+    (the rule of kernels/attention.py `visible`).
 
 One launch, `_block_causal_attn_kernel`, one program per (request, tile of BLOCK_M query tokens, KV head):
   1. it stores its tile's new K/V (head h) into their pages;
@@ -16,8 +17,8 @@ One launch, `_block_causal_attn_kernel`, one program per (request, tile of BLOCK
      tile is read once for the whole group (GQA), and runs an online softmax in fp32 (exp2 domain) over
      a) the cached prefix [0, q_start), read through the page table BLOCK_N keys at a time, all visible;
      b) the window's own keys, read straight from k/v (no program waits for another's store), under the
-        block-causal rule, up to the end of the block holding the tile's last query (later blocks are
-        invisible to the whole tile, so they are never read).
+        rule, up to the end of the tile's last query's horizon (later blocks are invisible to the whole tile,
+        so they are never read).
 It serves one-pass prompt prefill (a window of many blocks), the denoising step (one block) and multi-block
 windows alike; nothing in it depends on the kind of forward. `write_kv_triton` is the store alone.
 
@@ -117,6 +118,7 @@ def _block_causal_attn_kernel(
     Slots,  # [T] int64 cache row each new K/V goes to (< 0: not stored)
     PageTable,  # [N, max_pages] int64
     QStarts, QLens, CuQ,  # [N], [N], [N + 1] (kv_len = q_start + q_len)
+    WinStarts,  # [N] first position of the open MBE window (kv_len: none)
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh,
     stride_kt, stride_kh,
@@ -173,7 +175,9 @@ def _block_causal_attn_kernel(
         if BLOCK_D != HEAD_DIM:
             row_mask = row_mask & (d < HEAD_DIM)[None, :]
         tok = tok0 + m
-        q_blk = (q_start + m) // PAGE  # [ROWS] block of each query
+        win_start = tl.load(WinStarts + r)
+        last_blk = (q_start + q_len - 1) // PAGE  # the active block: the horizon of every window query
+        q_hor = tl.where(q_start + m >= win_start, last_blk, (q_start + m) // PAGE)  # [ROWS] horizon of each query
         q_off = tok[:, None] * stride_qt + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
         q = tl.load(Q + q_off, mask=row_mask, other=0.0)
         if INTERP:
@@ -223,10 +227,11 @@ def _block_causal_attn_kernel(
             m_i = m_new
 
         # 2b) The window, keys [q_start, kv_end), straight from K/V (through the cache dtype, exactly as if
-        #     read back from their pages), under the block-causal rule. Keys past the end of the block
-        #     holding the tile's last query are invisible to the whole tile: never read.
+        #     read back from their pages), under the rule. The horizon grows with the query position, so keys
+        #     past the tile's last query's horizon are invisible to the whole tile: never read.
         q_last = q_start + tl.minimum(m0 + BLOCK_M, q_len) - 1
-        kv_end = tl.minimum(q_start + q_len, (q_last // PAGE + 1) * PAGE)
+        hor_last = tl.where(q_last >= win_start, last_blk, q_last // PAGE)
+        kv_end = tl.minimum(q_start + q_len, (hor_last + 1) * PAGE)
         w_base = tok0 - q_start  # K/V row of key position p is w_base + p
         for n0 in range(q_start, kv_end, BLOCK_N):
             k_pos = n0 + tl.arange(0, BLOCK_N)
@@ -244,9 +249,9 @@ def _block_causal_attn_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            # THE rule (kernels/attention.py: block_causal_visible): key k is visible to query q iff
-            # block(k) <= block(q); keys at or past kv_len = q_start + q_len do not exist.
-            visible = ((k_pos // PAGE)[None, :] <= q_blk[:, None]) & k_ok[None, :]
+            # THE rule (kernels/attention.py: visible): key k is visible to query q iff
+            # block(k) <= horizon(q); keys at or past kv_len = q_start + q_len do not exist.
+            visible = ((k_pos // PAGE)[None, :] <= q_hor[:, None]) & k_ok[None, :]
             s = tl.where(visible, s * qk_scale, float("-inf"))
             # Key q_start's block is visible to every row, so m_i is finite once a tile has been seen; a row
             # with nothing visible in a later tile only gets exp2(-inf) = 0.
@@ -347,7 +352,7 @@ def paged_attention_triton(
     grid = (n_req, triton.cdiv(meta.max_q, cfg["BLOCK_M"]), hkv)
     attn[grid](
         q, k, v, kc, vc, out,
-        meta.slot_mapping, meta.page_tables, meta.q_starts, meta.q_lens, meta.cu_q,
+        meta.slot_mapping, meta.page_tables, meta.q_starts, meta.q_lens, meta.cu_q, meta.window_starts,
         _LOG2E / math.sqrt(d),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),

@@ -183,10 +183,8 @@ def _validate_common(p: SamplingParams | Defaults, prefix: str) -> None:
             fail(f"{name} must be a number in [0, 1]", name)
     if p.max_post_steps is not None and (not _is_int(p.max_post_steps) or not 0 <= p.max_post_steps <= 1024):
         fail("max_post_steps must be an integer in [0, 1024]", "max_post_steps")
-    if p.mbe_window is not None and (not _is_int(p.mbe_window) or p.mbe_window < 1):
-        fail("mbe_window must be an integer >= 1", "mbe_window")
-    if p.mbe_window is not None and p.mbe_window != 1:
-        fail("mbe_window > 1 (multi-block editing) is not implemented yet; use 1", "mbe_window")
+    if p.mbe_window is not None and (not _is_int(p.mbe_window) or not 1 <= p.mbe_window <= MAX_MBE_WINDOW):
+        fail(f"mbe_window must be an integer in [1, {MAX_MBE_WINDOW}]", "mbe_window")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from redraft.protocol.sampling_params import MODES, Defaults
+from redraft.protocol.sampling_params import MAX_MBE_WINDOW, MODES, Defaults
 
 DEFAULT_DOMAINS = ("code", "math", "chat")  # the metrics' `domain` label values unless --domains says otherwise
 
@@ -62,6 +62,9 @@ class ServerArgs:
     default_max_tokens: int | None = _opt(
         "max_new_tokens / max_tokens of requests that name none (default: generation_config.json's, else 1024; "
         "a default is always capped by the context left after the prompt)", type=int)
+    mbe_window: int | None = _opt(
+        f"multi-block editing window (open blocks, 1..{MAX_MBE_WINDOW}) of requests that name none (default 1: "
+        "the official single-block loop; docs/mbe.md)", type=int)
     # ---- speed -----------------------------------------------------------------------------------------
     cuda_graph_max_bs: int = _opt("largest batch replayed from a CUDA graph", default=64, type=int)
     disable_cuda_graph: bool = _opt("run the denoising step eagerly on GPUs too", default=False, action="store_true")
@@ -94,7 +97,7 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.kernel_backend not in ("torch", "triton"):
             raise ValueError(f"unknown kernel backend {self.kernel_backend!r} (choose torch or triton)")
-        Defaults(mode=self.default_mode, max_new_tokens=self.default_max_tokens)  # range checks
+        self.request_defaults()  # range checks
 
     @property
     def resolved_dtype(self) -> str:
@@ -102,7 +105,7 @@ class ServerArgs:
 
     def request_defaults(self) -> Defaults:
         """The operator's level of the defaults chain: only the flags that were given."""
-        return Defaults(mode=self.default_mode, max_new_tokens=self.default_max_tokens)
+        return Defaults(mode=self.default_mode, max_new_tokens=self.default_max_tokens, mbe_window=self.mbe_window)
 
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)

@@ -1,16 +1,23 @@
 """One request's decoding state, block by block. Torch-free: plain lists of token ids.
 
-Lifecycle of a block b (the official loop, with a paged cache):
-    begin:  the block is filled with MASK after any prompt tokens it shares (only the first block does)
-    each iteration, before the forward (`pre_forward`): if the block has no mask, `post_steps += 1`; once
+The open window is blocks [window_start, active_block] (multi-block editing, docs/mbe.md; with
+mbe_window W = 1 it is the active block alone, the official loop): the active block is the only one that
+holds masks, T2T may edit any non-prompt token of the window, and blocks before window_start are committed.
+
+Lifecycle of a block b (with a paged cache):
+    begin:  the block is filled with MASK after any prompt tokens it shares (only the first block does);
+            the window becomes [max(first_block, b - W + 1), b] and blocks that left it are committed
+    each iteration, before the forward (`pre_forward`): if the window has no mask, `post_steps += 1`; once
             `post_steps > max_post_steps` the block ends without a forward. Its last edits came after its last
-            forward, so its cached K/V are stale: it stays uncached and joins the next block's window.
-    after the forward (`apply_step`): the step's result replaces the block; every earlier block in the
-            window now has exact K/V. If the block had no mask and nothing was edited, it ends, and the
-            forward that saw its final tokens wrote exact K/V: no extra forward.
-    end:    stop at EOS / a stop token / the last block, else begin block b + 1.
-The query window of a forward is blocks [cached_blocks, active_block]: uncached prompt blocks (prefill),
-a stale block, and the active block, block-causal, in one pass.
+            forward, so its cached K/V are stale: it stays uncached and joins the next forward's query.
+    after the forward (`apply_step`): the step's result replaces the window; every committed block in the
+            query now has exact K/V. If the window had no mask and nothing was edited, the block ends; with
+            W = 1 the forward that saw its final tokens wrote exact K/V: no extra forward. (With W > 1 the
+            window's K/V saw later blocks: a block leaving the window is recomputed block-causally as a
+            prefill row of the next forward.)
+    end:    stop at EOS / a stop token / the last block (every open block commits), else begin block b + 1.
+The query of a forward is blocks [cached_blocks, active_block]: uncached committed blocks (prefill,
+block-causal), then the open window, in one pass.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class DecodeStats:
     steps: int = 0  # denoising forwards spent on this request
     m2t: int = 0  # masks filled
     edits: int = 0  # T2T replacements
+    mbe_edits: int = 0  # of those, the ones in open blocks before the active one (multi-block editing)
     blocks: int = 0  # blocks finished
 
 
@@ -77,9 +85,7 @@ class Request:
     # The stats when the active block began: a preempted request restarts its block from there.
     block_start_stats: DecodeStats = field(default_factory=DecodeStats)
     admitted: bool = False  # admitted at least once (prefix_cached_tokens counts the first admission only)
-    # Logprobs of the active block from its latest forward, and those of every final block (by block index),
-    # kept only when the request asked for them.
-    block_logprobs: tuple[list[float], list] | None = None
+    # Logprobs of every final block (by block index), kept only when the request asked for them.
     final_logprobs: dict[int, tuple[list[float], list]] = field(default_factory=dict)
     # Every T2T edit as (completion position, old id, new id), kept only when asked (the demo model's
     # evaluation counts which edits repaired a wrong token); entries of a preempted block are dropped.
@@ -95,6 +101,13 @@ class Request:
     # the runner to reload that row.
     slot: int = -1
     block_version: int = 0
+    # Multi-block editing: the first block of the open window, the window's earlier blocks as they were when
+    # the active block began (a preempted request resumes from them), the block to resume at, and the
+    # logprobs of the window's blocks from the latest forward (they become final when a block commits).
+    window_start: int = 0
+    block_start_window: list[int] = field(default_factory=list)
+    resume_block: int = 0
+    window_logprobs: dict[int, tuple[list[float], list]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -102,6 +115,7 @@ class Request:
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
         self.final_blocks = self.prompt_len // self.block_size
+        self.window_start = self.resume_block = self.first_block
 
     # ---- geometry -----------------------------------------------------------------------------------
     @property
@@ -128,30 +142,37 @@ class Request:
     def block_slice(self, b: int) -> slice:
         return slice(b * self.block_size, (b + 1) * self.block_size)
 
+    @property
+    def window_size(self) -> int:
+        """Blocks in the open window now (<= mbe_window: fewer while it begins at the first block)."""
+        return self.active_block - self.window_start + 1
+
     def active_tokens(self) -> list[int]:
         return self.tokens[self.block_slice(self.active_block)]
 
-    def editable_mask(self) -> list[bool]:
-        start = self.active_block * self.block_size
-        return [start + i >= self.prompt_len for i in range(self.block_size)]
+    def window_tokens(self) -> list[int]:
+        return self.tokens[self.window_start * self.block_size : (self.active_block + 1) * self.block_size]
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Admitted (or re-admitted after preemption): begin the first block that is not final yet."""
+        """Admitted (or re-admitted after preemption): begin the block it was at (the first one at first)."""
         self.status = Status.RUNNING
-        self._begin_block(self.final_blocks)
+        self._begin_block(self.resume_block)
 
     def preempt(self) -> None:
-        """Back to waiting; final blocks are kept, the active block will start over from all-mask (the
-        official loop is deterministic from a block's start, so the outcome is unchanged)."""
+        """Back to waiting; committed blocks are kept, the window's earlier blocks go back to what they were when
+        the active block began, and the active block will start over from all-mask (decoding is
+        deterministic from a block's start, so the outcome is unchanged)."""
         self.status = Status.WAITING
         self.stats = replace(self.block_start_stats)
         if self.edit_trace is not None:
             del self.edit_trace[self.block_start_trace_len :]
-        self.tokens = self.tokens[: max(self.final_blocks * self.block_size, self.prompt_len)]
+        keep = max(self.window_start * self.block_size, self.prompt_len)
+        self.tokens = self.tokens[:keep] + self.block_start_window[keep - self.window_start * self.block_size :]
+        self.resume_block = self.active_block
         self.active_block = -1
         self.block_version += 1
-        self.block_logprobs = None
+        self.window_logprobs = {}
         self.cached_blocks = 0
         self.pages = []
         self.post_steps = 0
@@ -166,53 +187,71 @@ class Request:
         self.block_start_stats = replace(self.stats)
         self.block_start_trace_len = len(self.edit_trace) if self.edit_trace is not None else 0
         self.post_steps = 0
+        self._commit_through(max(self.first_block, b - self.params.mbe_window + 1))
         end = (b + 1) * self.block_size
         self.tokens = self.tokens[: max(b * self.block_size, self.prompt_len)]
         self.tokens += [self.mask_id] * (end - len(self.tokens))
+        self.block_start_window = self.tokens[self.window_start * self.block_size : b * self.block_size]
+
+    def _commit_through(self, window_start: int) -> None:
+        """Blocks before `window_start` are committed: final tokens, final logprobs."""
+        self.window_start = window_start
+        self.final_blocks = max(self.final_blocks, window_start)
+        for blk in [k for k in self.window_logprobs if k < window_start]:
+            self.final_logprobs[blk] = self.window_logprobs.pop(blk)
 
     def pre_forward(self) -> bool:
         """The check before a forward. Returns False when the active block ends here (no forward)."""
-        if self.mask_id not in self.active_tokens():
+        if self.mask_id not in self.active_tokens():  # only the active block can hold masks
             self.post_steps += 1
         return self.post_steps <= self.params.max_post_steps
+
+    def set_window_logprobs(self, lps: list[float], tops: list) -> None:
+        """The latest forward's logprobs over the window (one entry per window position)."""
+        b = self.block_size
+        for j, blk in enumerate(range(self.window_start, self.active_block + 1)):
+            self.window_logprobs[blk] = (lps[j * b : (j + 1) * b], tops[j * b : (j + 1) * b])
 
     def mark_prefilled(self, through_block: int) -> None:
         self.cached_blocks = max(self.cached_blocks, through_block + 1)
 
-    def apply_step(self, new_block: list[int], had_mask: bool, m2t: int, t2t: int) -> bool:
-        """Record one denoising forward's result. Returns True when the active block ended."""
+    def apply_step(self, new_window: list[int], had_mask: bool, m2t: int, t2t: int, mbe_edits: int = 0) -> bool:
+        """Record one denoising forward's result (the window's tokens after the step; `mbe_edits` of the t2t
+        edits landed in blocks before the active one). Returns True when the active block ended."""
         self.stats.steps += 1
         self.stats.m2t += m2t
         self.stats.edits += t2t
-        self.cached_blocks = self.active_block  # everything before the active block is exact now
-        block = self.block_slice(self.active_block)
+        self.stats.mbe_edits += mbe_edits
+        self.cached_blocks = self.window_start  # every committed block of the query is exact now
+        window = slice(self.window_start * self.block_size, (self.active_block + 1) * self.block_size)
         if self.edit_trace is not None:
-            for i, (old, new) in enumerate(zip(self.tokens[block], new_block)):
+            for i, (old, new) in enumerate(zip(self.tokens[window], new_window)):
                 if old != self.mask_id and old != new:
-                    self.edit_trace.append((block.start + i - self.prompt_len, old, new))
-        self.tokens[block] = new_block
+                    self.edit_trace.append((window.start + i - self.prompt_len, old, new))
+        self.tokens[window] = new_window
         if not had_mask and t2t == 0:
-            self.cached_blocks = self.active_block + 1  # the forward saw the final tokens
+            # W = 1: the forward saw the block's final tokens, block-causally, and no later window will reopen
+            # it. (With W > 1 the block stays open, or its K/V saw later blocks: it is recomputed on commit.)
+            if self.params.mbe_window == 1:
+                self.cached_blocks = self.active_block + 1
             return True
         return False
 
     def end_block(self) -> FinishReason | None:
-        """The active block is final. Returns why the request finishes, or None to go on."""
+        """The active block is done. Returns why the request finishes (every open block then commits), or None
+        to go on with the next block."""
         self.stats.blocks += 1
-        self.final_blocks = self.active_block + 1
-        if self.block_logprobs is not None:
-            self.final_logprobs[self.active_block] = self.block_logprobs
-            self.block_logprobs = None
-        # Only the active block can hold a new stop token: an earlier one would have ended the request at its block.
-        lo = max(self.prompt_len, self.active_block * self.block_size)
+        # Only the window can hold a new stop token: an earlier one would have ended the request at its block.
+        lo = max(self.prompt_len, self.window_start * self.block_size)
         hi = min((self.active_block + 1) * self.block_size, self.prompt_len + self.params.max_new_tokens)
         stops = self._stop_ids()
         hit = next((i for i in range(lo, hi) if self.tokens[i] in stops), None)
+        if hit is None and self.active_block < self.last_block:
+            return None
+        self._commit_through(self.active_block + 1)  # the request ends: every open block commits
         if hit is not None:
             self.output_end = hit + 1  # through the first stop token
             return FinishReason("stop", matched=self.tokens[hit])
-        if self.active_block < self.last_block:
-            return None
         return FinishReason("length")
 
     def _stop_ids(self) -> set[int]:

@@ -50,7 +50,8 @@ class SchedulerConfig:
 
 @dataclass
 class WorkItem:
-    """One request's share of a forward: blocks [first, last]; `decodes` when `last` is its active block."""
+    """One request's share of a forward: blocks [first, last]. `decodes` when `last` is its active block: the
+    query then ends with its open window [req.window_start, last], and the blocks before it are prefill rows."""
 
     req: Request
     first: int
@@ -63,10 +64,11 @@ class StepOutput:
     """The model runner's answer for the decoding items of a batch (one denoising step each), in order, as
     plain lists."""
 
-    tokens: list[list[int]] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)  # each item's open window after the step
     had_mask: list[bool] = field(default_factory=list)
     m2t: list[int] = field(default_factory=list)
     t2t: list[int] = field(default_factory=list)
+    mbe_edits: list[int] = field(default_factory=list)  # of t2t, the edits in blocks before the active one
     # Per decoding item, None unless its request asked for logprobs: the log-probability of each position's
     # token after the step, and the top alternatives [(token, logprob), ...] at each position.
     logprobs: list[list[float] | None] = field(default_factory=list)
@@ -145,8 +147,9 @@ class Scheduler:
             if req.finished:  # aborted while the forward ran
                 continue
             if out.logprobs and out.logprobs[i] is not None:
-                req.block_logprobs = (out.logprobs[i], out.top_logprobs[i])
-            if req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i]):
+                req.set_window_logprobs(out.logprobs[i], out.top_logprobs[i])
+            mbe = out.mbe_edits[i] if out.mbe_edits else 0
+            if req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe):
                 self._end_block(req)
         for it in items:
             if not it.req.finished:
@@ -233,7 +236,7 @@ class Scheduler:
             prefix = req.prefix_tokens()
             match = self.cache.match_prefix(prefix, record_stats=False) if self.config.enable_prefix_cache else None
             matched = len(match.pages) if match else 0
-            need = req.final_blocks + 1 - matched  # uncached final blocks + the first open block
+            need = req.resume_block + 1 - matched  # uncached blocks through the block it (re)starts at
             if match is not None:
                 self.cache.inc_lock(match.last_node)  # protect the match from our own eviction
             pages = self._alloc(need)
@@ -256,7 +259,7 @@ class Scheduler:
             req.slot = self._free_slots.pop()
             req.start()
             self.running.append(req)
-            budget -= (req.active_block - matched) * b
+            budget -= max(0, req.window_start - matched) * b
 
     def _pick_waiting(self) -> Request:
         if self.config.policy == "fcfs" or len(self.waiting) == 1:
@@ -270,7 +273,8 @@ class Scheduler:
         items = []
         for req in sorted(self.running, key=lambda r: r.arrival):
             first, last = req.cached_blocks, req.active_block
-            prefill_blocks = max(0, last - first - 1)  # beyond the active block and one stale block
+            assert first <= req.window_start, "an open block must be in the query (its K/V are recomputed)"
+            prefill_blocks = max(0, req.window_start - first - 1)  # beyond the open window and one stale block
             if prefill_blocks * b <= budget:
                 budget -= prefill_blocks * b
                 items.append(WorkItem(req, first, last, True))

@@ -54,6 +54,7 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.
 BLOCK_GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BLOCK_STEPS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 TPF_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
+MBE_WINDOW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8)  # every window size a request can ask for (mbe_window 1..8)
 
 
 def parse_domains(spec: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -144,6 +145,8 @@ class ServerMetrics:
         self.blocks_committed = counter("redraft:blocks_committed",
                                         "Blocks committed (final), counted when the request finishes.")
         self.edits = counter("redraft:edits", "Token-to-token edits (T2T) of finished requests.")
+        self.mbe_edits = counter("redraft:mbe_edits", "T2T edits of finished requests that landed in an open block "
+                                 "before the active one (multi-block editing).")
         self.rejected = counter("redraft:rejected_requests", "Requests the engine refused at admission, by code.",
                                 ["model_name", "code"])
 
@@ -160,6 +163,8 @@ class ServerMetrics:
                                     "Time a request waited in the engine's queue before admission.", QUEUE_BUCKETS)
         self.block_steps = histogram("redraft:block_steps", "Denoising forwards a committed block took.",
                                      BLOCK_STEPS_BUCKETS)
+        self.mbe_window = histogram("redraft:mbe_window", "Multi-block-editing window (open blocks) of finished "
+                                    "requests; 1 = the official single-block loop.", MBE_WINDOW_BUCKETS)
         self.tokens_per_forward = histogram("redraft:tokens_per_forward",
                                             "Output tokens per forward of a finished request.", TPF_BUCKETS)
 
@@ -170,7 +175,7 @@ class ServerMetrics:
             for domain in (*self.domains, OTHER_DOMAIN):
                 for metric in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
                                self.num_requests, self.num_aborted, self.forwards, self.tokens_committed,
-                               self.blocks_committed, self.edits, self.ttft, self.itl,
+                               self.blocks_committed, self.edits, self.mbe_edits, self.mbe_window, self.ttft, self.itl,
                                self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward):
                     metric.labels(model_name, mode, domain)
         for code in ("queue_full", "invalid_request_error"):  # the engine's admission refusals
@@ -265,6 +270,9 @@ class ServerMetrics:
         self.cached_prompt_tokens.labels(*labels).inc(int(meta.get("cached_tokens", 0)))
         self.forwards.labels(*labels).inc(steps)
         self.edits.labels(*labels).inc(int(meta.get("edits", 0)))
+        self.mbe_edits.labels(*labels).inc(int(meta.get("mbe_edits", 0)))
+        if meta.get("mbe_window"):
+            self.mbe_window.labels(*labels).observe(int(meta["mbe_window"]))
         self.blocks_committed.labels(*labels).inc(int(meta.get("blocks", 0)))
         self.num_requests.labels(*labels).inc()
         aborted = (out.finish_reason or {}).get("type") == "abort"

@@ -146,7 +146,7 @@ class _Common(Strict):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     edit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_post_steps: int | None = Field(default=None, ge=0, le=1024)
-    mbe_window: int | None = Field(default=None, ge=1)
+    mbe_window: int | None = Field(default=None, ge=1, le=8)  # protocol.sampling_params.MAX_MBE_WINDOW
     domain: str | None = Field(default=None, max_length=64)
 
     @model_validator(mode="before")

@@ -39,6 +39,17 @@ def block_causal_mask(length: int, block: int = BLOCK) -> torch.Tensor:
     return blk[None, :] <= blk[:, None]  # [Lq, Lk]
 
 
+def mbe_mask(length: int, window_start: int, active: int, block: int = BLOCK) -> torch.Tensor:
+    """The multi-block-editing mask over positions [0, length) (redraft's definition, docs/mbe.md): blocks
+    before `window_start` are committed and block-causal; the open window [window_start, active] is
+    bidirectional inside itself and sees every committed block. mask[q, k] True = visible."""
+    blk = torch.arange(length) // block  # [L]
+    in_window = (blk >= window_start) & (blk <= active)  # [L]
+    causal = blk[None, :] <= blk[:, None]  # [Lq, Lk]
+    window = in_window[:, None] & (blk[None, :] <= active)  # a window query sees committed + window keys
+    return causal | window
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; the variance is taken in fp32 at least (float64 stays float64)."""
     in_dtype = x.dtype
@@ -227,12 +238,14 @@ class NaiveLLaDA2:
 
     # -- the whole forward ----------------------------------------------------------------------
     @torch.no_grad()
-    def forward_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: LongTensor [L] -> logits [L, V] (fp32, or float64 for a float64 model)."""
+    def forward_logits(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """ids: LongTensor [L] -> logits [L, V] (fp32, or float64 for a float64 model). mask: [L, L] bool
+        (True = visible), block-causal when not given."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         L = ids.shape[0]
         h = self.w["model.word_embeddings.weight"][ids]  # [L, H]
-        mask = block_causal_mask(L, self.block)  # [L, L]
+        if mask is None:
+            mask = block_causal_mask(L, self.block)  # [L, L]
         cos, sin = rotary_cos_sin(L, self.rotary_dim, self.theta, self.dtype)  # [L, rd] each
         for i in range(self.n_layers):
             pre = f"model.layers.{i}"
@@ -252,7 +265,7 @@ class NaiveLLaDA2:
 # ----------------------------------------------------------------------------------------------
 
 class LogitsModel(Protocol):
-    def forward_logits(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def forward_logits(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def naive_generate(
@@ -308,6 +321,72 @@ def naive_generate(
                 # only possible when the model proposes the MASK id itself: the next forward would see
                 # the same input and do the same, forever (the official loop has no guard against this)
                 raise RuntimeError(f"no progress in block {b}: the model keeps proposing the MASK id")
+        generated = x[P:hi]
+        if not (generated == mask_id).any() and (generated == eos_id).any():
+            break
+
+    out = x[P : P + max_new_tokens].tolist()
+    if eos_id in out:
+        out = out[: out.index(eos_id) + 1]
+    return out, steps
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-block editing (redraft's definition, docs/mbe.md): a window of W open blocks
+# ----------------------------------------------------------------------------------------------
+
+def naive_mbe_generate(
+    model: LogitsModel,
+    input_ids: list[int],
+    *,
+    max_new_tokens: int,
+    threshold: float,
+    edit_threshold: float,
+    max_post_steps: int,
+    window: int,
+    mask_id: int,
+    eos_id: int,
+    block: int = BLOCK,
+) -> tuple[list[int], int]:
+    """Returns (output_ids, steps). Written from the definition, independently of the engine: every forward
+    recomputes the whole sequence up to the active block under `mbe_mask`; M2T fills masks of the active
+    block, T2T edits any non-prompt token of the open window. window=1 is naive_generate exactly."""
+    P = len(input_ids)
+    first_block = P // block
+    last_block = (P + max_new_tokens - 1) // block
+    total = (last_block + 1) * block
+    x = torch.full((total,), mask_id, dtype=torch.long)  # [total]
+    x[:P] = torch.tensor(input_ids, dtype=torch.long)
+    is_prompt = torch.arange(total) < P  # [total]
+    steps = 0
+
+    for b in range(first_block, last_block + 1):
+        s = max(first_block, b - window + 1)  # the open window is blocks [s, b]
+        lo, hi = s * block, (b + 1) * block
+        editable = ~is_prompt[lo:hi]  # [window tokens]
+        attend = mbe_mask(hi, s, b, block)  # [hi, hi]
+        post = 0
+        while True:
+            old = x[lo:hi].clone()
+            masked = (old == mask_id) & editable  # only the active block can hold masks
+            if not masked.any():
+                post += 1
+            if post > max_post_steps:  # checked before the forward
+                break
+            logits = model.forward_logits(x[:hi], attend)[lo:hi].clone()  # [window tokens, V]
+            logits[:, mask_id] = float("-inf")
+            steps += 1
+            v = logits.argmax(dim=-1)
+            p = torch.softmax(logits, dim=-1).gather(1, v[:, None])[:, 0]
+            m2t = masked & (p > threshold)
+            if masked.any() and int(m2t.sum()) < 1:
+                best = torch.where(masked, p, torch.full_like(p, -1.0)).argmax()
+                m2t = torch.zeros_like(masked)
+                m2t[best] = True
+            t2t = ~masked & editable & (v != old) & (p > edit_threshold)
+            x[lo:hi] = torch.where(m2t | t2t, v, old)
+            if not masked.any() and not t2t.any():
+                break
         generated = x[P:hi]
         if not (generated == mask_id).any() and (generated == eos_id).any():
             break

@@ -22,7 +22,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from numerics import rel
-from redraft.kernels.attention import AttentionMetadata, block_causal_visible, paged_attention_torch  # noqa: E402
+from redraft.kernels.attention import AttentionMetadata, paged_attention_torch, visible  # noqa: E402
 
 triton_attn = pytest.importorskip("redraft.kernels.attention_triton")
 
@@ -41,7 +41,7 @@ class Batch:
     """A random ragged batch: per request (q_start, q_len) and a shuffled page table; caches poisoned."""
 
     def __init__(self, windows: list[tuple[int, int]], hq: int, dtype: torch.dtype, seed: int,
-                 num_pages: int = 40, pad_rows: int = 0):
+                 num_pages: int = 40, pad_rows: int = 0, window_starts: list[int] | None = None):
         g = torch.Generator().manual_seed(seed)
         rng = random.Random(seed)
         self.windows = list(windows)
@@ -56,8 +56,10 @@ class Batch:
         for _ in range(pad_rows):  # padding requests as DecodeGraphs builds them: a block at 0 on the scratch page
             self.windows.append((0, B))
             tables.append([self.scratch])
+        if window_starts is not None:
+            window_starts = list(window_starts) + [B] * pad_rows
         self.meta = AttentionMetadata.build([w[0] for w in self.windows], [w[1] for w in self.windows], tables, B,
-                                            DEVICE)
+                                            DEVICE, window_starts=window_starts)
         t = sum(w[1] for w in self.windows)
 
         def rnd(*shape):
@@ -114,30 +116,53 @@ def test_matches_torch_twin(dtype, group):
     torch.testing.assert_close(vc, vc_twin, rtol=0, atol=0, equal_nan=True)
 
 
-def test_rule_matches_block_causal_visible():
-    """Read the visibility pattern off the kernel: with q = 0 every visible key gets the same weight, and with
-    one-hot values (value of key j = e_j) the output row of query q is 1/|visible(q)| on exactly its visible
-    keys. That must be `block_causal_visible` restricted to the request's keys."""
-    d = 128
-    windows = [(32, 96), (0, 45), (64, 32)]
-    tables = [[7, 3, 9, 5], [2, 11], [4, 8, 1]]
-    meta = AttentionMetadata.build([w[0] for w in windows], [w[1] for w in windows], tables, B, DEVICE)
+# Multi-block-editing queries (q_start, q_len) with the first position of their open window: prefill rows of
+# committed blocks then the window (bidirectional inside), a window alone, a window starting mid-prompt-block,
+# a W = 1 step, and a request with no window (a prefill chunk).
+MBE = [((32, 128), 64), ((64, 96), 64), ((0, 96), 0), ((96, 32), 96), ((0, 64), 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mbe_windows_match_torch_twin(dtype):
+    batch = Batch([w for w, _ in MBE], hq=HKV * 2, dtype=dtype, seed=7, window_starts=[s for _, s in MBE])
+    out, kc, vc = batch.run_triton()
+    assert not out.isnan().any()
+    ref64, _, _ = batch.run_torch(torch.float64)
+    assert rel(out, ref64) < TOL[dtype]
+    twin, kc_twin, vc_twin = batch.run_torch()
+    torch.testing.assert_close(kc, kc_twin, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_rule_matches_visible(impl):
+    """Read the visibility pattern off each implementation: with q = 0 every visible key gets the same weight,
+    and with one-hot values (value of key j = e_j) the output row of query q is 1/|visible(q)| on exactly its
+    visible keys. That must be `visible` (block-causal, and bidirectional inside an open MBE window)
+    restricted to the request's keys."""
+    d = 192
+    windows = [(32, 96), (0, 45), (64, 32), (32, 128), (0, 96)]
+    starts = [128, 45, 64, 64, 0]  # no window, no window, W = 1, 3-block window after a prefill row, from 0
+    tables = [[7, 3, 9, 5], [2, 11], [4, 8, 1], [12, 13, 14, 15, 16], [17, 18, 19]]
+    meta = AttentionMetadata.build([w[0] for w in windows], [w[1] for w in windows], tables, B, DEVICE,
+                                   window_starts=starts)
     t = sum(w[1] for w in windows)
     q = torch.zeros(t, 2, d)
     k = torch.randn(t, 1, d)
     v = torch.zeros(t, 1, d)
-    k_cache = torch.randn(12, B, 1, d)
-    v_cache = torch.zeros(12, B, 1, d)
+    k_cache = torch.randn(20, B, 1, d)
+    v_cache = torch.zeros(20, B, 1, d)
     for (q_start, q_len), pages, off in zip(windows, tables, meta.cu_q.tolist()):
         for p in range(q_start):  # cached keys: one-hot at their position
             v_cache[pages[p // B], p % B, 0, p] = 1.0
         for i in range(q_len):  # new keys of the window
             v[off + i, 0, q_start + i] = 1.0
-    out = triton_attn.paged_attention_triton(*(x.to(DEVICE) for x in (q, k, v, k_cache, v_cache)), meta).cpu()
-    for (q_start, q_len), off in zip(windows, meta.cu_q.tolist()):
+    attend = triton_attn.paged_attention_triton if impl == "triton" else paged_attention_torch
+    out = attend(*(x.to(DEVICE) for x in (q, k, v, k_cache, v_cache)), meta).cpu()
+    for (q_start, q_len), start, off in zip(windows, starts, meta.cu_q.tolist()):
         q_pos = torch.arange(q_start, q_start + q_len)
         k_pos = torch.arange(d)
-        expect = block_causal_visible(q_pos[:, None], k_pos[None, :], B) & (k_pos < q_start + q_len)[None, :]
+        last = (q_start + q_len - 1) // B
+        expect = visible(q_pos[:, None], k_pos[None, :], B, start, last) & (k_pos < q_start + q_len)[None, :]
         for head in range(2):
             got = out[off : off + q_len, head]  # [q_len, d]
             assert torch.equal(got > 1e-6, expect), f"window {q_start, q_len}: visibility differs from the rule"

@@ -222,6 +222,7 @@ def test_exposition_lints_clean_but_for_sglang_colons(promtool, redraft_server, 
     unexpected = [ln for ln in problems if "metric names should not contain ':'" not in ln]
     assert not unexpected, "\n".join(unexpected)
     for name in ("redraft:forwards_total", "redraft:tokens_committed_total", "redraft:edits_total",
+                 "redraft:mbe_edits_total", "redraft:mbe_window_bucket",
                  "redraft:block_steps_bucket", "redraft:tokens_per_forward_bucket",
                  "sglang:time_to_first_token_seconds_bucket", "sglang:inter_token_latency_seconds_bucket",
                  "redraft:inter_block_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_bucket",
@@ -329,7 +330,7 @@ def test_collector_labels_and_per_block_figures():
     m.on_message(Accepted("a", "S", 64))  # the engine resolved auto + math to S
     m.on_message(_out("a", 20, steps=4, blocks=1))  # first block: 20 tokens after 4 forwards
     m.on_message(_out("a", 32, steps=10, blocks=2))  # second block: 32 tokens, 6 forwards
-    m.on_message(_out("a", 8, steps=13, blocks=3, finished=True, completion_tokens=60))
+    m.on_message(_out("a", 8, steps=13, blocks=3, finished=True, completion_tokens=60, mbe_edits=2, mbe_window=3))
     s = dict(lab, mode="S", domain="math")
     assert _value(m, "sglang:time_to_first_token_seconds_count", **s) == 1
     assert _value(m, "redraft:inter_block_latency_seconds_count", **s) == 2
@@ -338,6 +339,7 @@ def test_collector_labels_and_per_block_figures():
     assert _value(m, "redraft:block_steps_count", **s) == 3 and _value(m, "redraft:block_steps_sum", **s) == 13
     assert _value(m, "redraft:forwards_total", **s) == 13 and _value(m, "redraft:edits_total", **s) == 3
     assert _value(m, "redraft:blocks_committed_total", **s) == 3
+    assert _value(m, "redraft:mbe_edits_total", **s) == 2 and _value(m, "redraft:mbe_window_sum", **s) == 3
     assert _value(m, "sglang:generation_tokens_total", **s) == 60 and _value(m, "sglang:num_requests_total", **s) == 1
     assert _value(m, "redraft:tokens_per_forward_sum", **s) == pytest.approx(60 / 13)
     assert _value(m, "sglang:queue_time_seconds_sum", **s) == 0.25

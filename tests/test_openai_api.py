@@ -591,7 +591,7 @@ BATTERY: list[tuple[str, str, str, Any, int, str | None]] = [
     ("unknown mode", "POST", "/v1/chat/completions", {"json": {"messages": M, "mode": "turbo"}}, 400, "mode"),
     ("threshold 1.5", "POST", "/v1/completions", {"json": {"prompt": "hi", "threshold": 1.5}}, 400, "threshold"),
     ("max_post_steps -1", "POST", "/v1/completions", {"json": {"prompt": "hi", "max_post_steps": -1}}, 400, None),
-    ("mbe_window 2", "POST", "/v1/completions", {"json": {"prompt": "hi", "mbe_window": 2}}, 400, "mbe_window"),
+    ("mbe_window 9", "POST", "/v1/completions", {"json": {"prompt": "hi", "mbe_window": 9}}, 400, "mbe_window"),
     ("empty messages", "POST", "/v1/chat/completions", {"json": {"messages": []}}, 400, None),
     ("invalid role", "POST", "/v1/chat/completions", {"json": {"messages": [{"role": "wizard", "content": "x"}]}},
      400, None),

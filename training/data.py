@@ -211,3 +211,68 @@ def add_noise(b: Bucket, mask_id: int, noise_vocab: torch.Tensor, gen: torch.Gen
     xt = torch.where(masked, torch.full_like(x0, mask_id), torch.where(corrupt, repl, x0))
     scored = torch.where(edit_rows, resp, masked)
     return Noise(xt, scored, masked, corrupt)
+
+
+# ----- multi-block-editing windows ---------------------------------------------------------------------
+def window_mask(num_blocks: int, window_start: int, active: int, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """[L, L] bool (True = may attend), L = num_blocks * block_size: the engine's attention rule for an open
+    window [window_start, active] (docs/mbe.md): committed blocks block-causal, the window bidirectional inside
+    itself and seeing every committed block. The engine's own rule function builds it."""
+    from redraft.kernels.attention import visible
+
+    pos = torch.arange(num_blocks * block_size)
+    return visible(pos[:, None], pos[None, :], block_size, window_start * block_size, active)
+
+
+@dataclass
+class WindowExample:
+    """One sequence cut at the end of its active block, noised as the engine sees it under multi-block editing:
+    committed blocks clean, earlier window blocks complete but partly wrong, the active block partly masked."""
+
+    xt: torch.Tensor  # [L] noisy input, L = (active + 1) * 32
+    x0: torch.Tensor  # [L] clean tokens
+    scored: torch.Tensor  # [L] bool: the window's response positions
+    weight: torch.Tensor  # [L] loss weight
+    content: torch.Tensor  # [L] bool: answer tokens and the first EOS
+    family: str
+    window_start: int
+    active: int
+
+
+def window_examples(b: Bucket, rows: torch.Tensor, mask_id: int, noise_vocab: torch.Tensor, gen: torch.Generator,
+                    *, max_window: int, p_edit: float, max_edit_rate: float) -> list[WindowExample]:
+    """For each chosen row of the bucket: an active block uniform over its response blocks, a window W uniform
+    in 1..max_window, and the noise: wrong tokens (random, shifted, another correct answer's) at a rate
+    r ~ U(0, max_edit_rate] in the window's earlier blocks, so that the model learns to repair a block from
+    the blocks after it; masks at a rate t ~ U(0, 1] in the active block (at least one), plus wrong tokens
+    among its visible ones for a share p_edit of the rows. Scored at every response position of the window."""
+    out = []
+    u = lambda: float(torch.rand((), generator=gen))  # noqa: E731
+    for r in rows.tolist():
+        resp = b.response[r]
+        first = int(resp.nonzero()[0]) // BLOCK_SIZE  # b0: the block holding the first response position
+        active = first + int(torch.randint(0, b.num_blocks - first, (), generator=gen))
+        start = max(first, active - int(torch.randint(0, max_window, (), generator=gen)))
+        end = (active + 1) * BLOCK_SIZE
+        x0 = b.x0[r, :end]
+        window = torch.zeros(end, dtype=torch.bool)
+        window[start * BLOCK_SIZE :] = True
+        window &= resp[:end]
+        in_active = window.clone()
+        in_active[: active * BLOCK_SIZE] = False
+        masked = in_active & (torch.rand(end, generator=gen) < 1.0 - u())
+        if not masked.any():
+            masked[int(in_active.nonzero()[int(torch.randint(0, int(in_active.sum()), (), generator=gen))])] = True
+        rate = u() * max_edit_rate
+        earlier = window & ~in_active
+        corrupt = (earlier | (in_active & ~masked & (u() < p_edit))) & (torch.rand(end, generator=gen) < rate)
+        kind = torch.randint(0, 3, (end,), generator=gen)
+        rand_tok = noise_vocab[torch.randint(0, len(noise_vocab), (end,), generator=gen)]
+        shift = int(torch.randint(1, 4, (), generator=gen)) * (1 if u() < 0.5 else -1)
+        shifted = x0[(torch.arange(end) + shift).clamp(0, end - 1)]
+        repl = torch.where(kind == 0, rand_tok, torch.where(kind == 1, shifted, b.alt[r, :end]))
+        repl = torch.where(repl == x0, rand_tok, repl)
+        corrupt &= repl != x0
+        xt = torch.where(masked, torch.full_like(x0, mask_id), torch.where(corrupt, repl, x0))
+        out.append(WindowExample(xt, x0, window, b.weight[r, :end], b.content[r, :end], b.family[r], start, active))
+    return out

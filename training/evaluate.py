@@ -22,15 +22,30 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from redraft.training.tasks import FAMILIES, Example, eval_set, is_correct, render_prompt
+from redraft.training.tasks import SUITES, Example, eval_set, is_correct, render_prompt
 
 MODE_PARAMS: dict[str, dict[str, Any]] = {
     "Q": {"mode": "Q"},
     "S": {"mode": "S"},
     "S-noedit": {"mode": "S", "edit_threshold": 1.0},
     "Q-noedit": {"mode": "Q", "edit_threshold": 1.0},
+    # multi-block editing (docs/mbe.md): W open blocks
+    "S-W2": {"mode": "S", "mbe_window": 2},
+    "S-W3": {"mode": "S", "mbe_window": 3},
+    "Q-W2": {"mode": "Q", "mbe_window": 2},
+    "Q-W3": {"mode": "Q", "mbe_window": 3},
 }
 ALL_MODES = ["Q", "S", "S-noedit", "Q-noedit"]
+MBE_MODES = ["S-W2", "S-W3", "Q-W2", "Q-W3"]
+MAX_NEW_TOKENS = {"v1": 64, "v2": 128}  # v2: count and repeat answers run to ~100 tokens
+
+
+def model_suite(model_dir: str | Path) -> str:
+    """The task suite a demo checkpoint was trained on (config.json's `redraft_task_suite`, else v1)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("redraft_task_suite", "v1")
+    except (OSError, ValueError):
+        return "v1"
 
 
 def classify_edits(trace: list[list[int]], output_ids: list[int], references: list[list[int]]
@@ -53,13 +68,15 @@ def classify_edits(trace: list[list[int]], output_ids: list[int], references: li
 
 
 def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000,
-             max_new_tokens: int = 64, threads: int = 1) -> dict[str, Any]:
+             max_new_tokens: int | None = None, threads: int = 1, suite: str | None = None) -> dict[str, Any]:
     import torch
 
     from redraft.engine.engine import Engine
 
     torch.set_num_threads(threads)
-    exs = eval_set(seed, per_family)
+    suite = suite or model_suite(model_dir)
+    max_new_tokens = max_new_tokens or MAX_NEW_TOKENS[suite]
+    exs = eval_set(seed, per_family, SUITES[suite], suite=suite)
     engine = Engine(model_dir, device="cpu", dtype="float32", max_total_tokens=64 * 1024, progress=False,
                     trace_edits=True)
     try:
@@ -79,11 +96,12 @@ def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000
 
 
 def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]]) -> dict[str, Any]:
-    right = {f: 0 for f in FAMILIES}
-    count = {f: 0 for f in FAMILIES}
-    tokens = {f: 0 for f in FAMILIES}
-    forwards = {f: 0 for f in FAMILIES}
-    edits = repairs = breaks = neutral = 0
+    families = list(dict.fromkeys(ex.family for ex in exs))
+    right = {f: 0 for f in families}
+    count = {f: 0 for f in families}
+    tokens = {f: 0 for f in families}
+    forwards = {f: 0 for f in families}
+    edits = mbe_edits = repairs = breaks = neutral = 0
     for ex, o, ref in zip(exs, outs, refs):
         m = o["meta_info"]
         count[ex.family] += 1
@@ -91,15 +109,17 @@ def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]])
         tokens[ex.family] += m["completion_tokens"]
         forwards[ex.family] += m["steps"]
         edits += m.get("edits", 0)
+        mbe_edits += m.get("mbe_edits", 0)
         r, b, n = classify_edits(m.get("edit_trace", []), o["output_ids"], ref)
         repairs, breaks, neutral = repairs + r, breaks + b, neutral + n
-    fams = [f for f in FAMILIES if count[f]]
+    fams = [f for f in families if count[f]]
     out: dict[str, Any] = {f: right[f] / count[f] for f in fams}
     out["all"] = sum(right.values()) / len(exs)
     out["tpf"] = sum(tokens.values()) / max(1, sum(forwards.values()))
     out["tpf_by_family"] = {f: tokens[f] / max(1, forwards[f]) for f in fams}
     out["forwards_per_req"] = sum(forwards.values()) / len(exs)
     out["edits_per_req"] = edits / len(exs)
+    out["mbe_edits_per_req"] = mbe_edits / len(exs)
     out["edits"] = {"total": edits, "repairs": repairs, "breaks": breaks, "neutral": neutral}
     return out
 
@@ -107,20 +127,22 @@ def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]])
 # ----- presentation ------------------------------------------------------------------------------------
 def format_table(result: dict[str, Any], per_family: int) -> str:
     modes = [m for m in result if m in MODE_PARAMS]
-    head = ["setting", *FAMILIES, "all", "tok/fwd", "fwd/req", "edits/req", "repairs", "breaks", "neutral"]
+    families = list(result[modes[0]]["tpf_by_family"]) if modes else []
+    head = ["setting", *families, "all", "tok/fwd", "fwd/req", "edits/req", "earlier-block edits/req", "repairs",
+            "breaks", "neutral"]
     rows = []
     for m in modes:
         r = result[m]
         e = r["edits"]
-        rows.append([m, *(f"{100 * r[f]:.1f}%" for f in FAMILIES), f"{100 * r['all']:.1f}%", f"{r['tpf']:.2f}",
-                     f"{r['forwards_per_req']:.2f}", f"{r['edits_per_req']:.2f}", str(e["repairs"]),
-                     str(e["breaks"]), str(e["neutral"])])
-    lines = [f"exact match on {per_family} held-out problems per family ({per_family * len(FAMILIES)} in all)",
+        rows.append([m, *(f"{100 * r[f]:.1f}%" for f in families), f"{100 * r['all']:.1f}%", f"{r['tpf']:.2f}",
+                     f"{r['forwards_per_req']:.2f}", f"{r['edits_per_req']:.2f}",
+                     f"{r.get('mbe_edits_per_req', 0.0):.2f}", str(e["repairs"]), str(e["breaks"]), str(e["neutral"])])
+    lines = [f"exact match on {per_family} held-out problems per family ({per_family * len(families)} in all)",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if "S" in result and "Q" in result:
         ratio = " ".join(f"{f} {result['S']['tpf_by_family'][f] / result['Q']['tpf_by_family'][f]:.2f}x"
-                         for f in FAMILIES)
+                         for f in families)
         lines.append(f"\ntokens per forward, S / Q: all {result['S']['tpf'] / result['Q']['tpf']:.2f}x; {ratio}")
     return "\n".join(lines)
 
@@ -158,7 +180,10 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
                                             "in Q, S and editing-off settings, through redraft.Engine.")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--per-family", type=int, default=200)
-    p.add_argument("--modes", nargs="+", default=ALL_MODES, choices=ALL_MODES)
+    p.add_argument("--modes", nargs="+", default=None, choices=list(MODE_PARAMS),
+                   help="settings to run (default: Q S S-noedit Q-noedit, plus S-W2 S-W3 Q-W2 Q-W3 for suite v2)")
+    p.add_argument("--suite", choices=sorted(SUITES), default=None,
+                   help="task suite (default: the one the checkpoint was trained on, else v1)")
     p.add_argument("--seed", type=int, default=1000, help="seed of the held-out problem draw")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--format", choices=["table", "json"], default=default_format,
@@ -173,7 +198,9 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
         if not (BUNDLED_MODEL_DIR / "config.json").is_file():
             p.error(f"no bundled demo model in this install ({BUNDLED_MODEL_DIR}); pass --model DIR")
         model = str(BUNDLED_MODEL_DIR)
-    result = evaluate(model, args.per_family, args.modes, args.seed, threads=args.threads)
+    suite = args.suite or model_suite(model)
+    modes = args.modes or (ALL_MODES + (MBE_MODES if suite == "v2" else []))
+    result = evaluate(model, args.per_family, modes, args.seed, threads=args.threads, suite=suite)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.format == "json":

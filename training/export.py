@@ -90,8 +90,9 @@ def config_json(cfg: ModelConfig, tok: Tokenizer, dtype: str) -> dict:
 
 
 def export_model(model: LLaDA2Model, tok: Tokenizer, out_dir: str | Path, dtype: str = "float32",
-                 metadata: dict | None = None) -> Path:
-    """Write the HF layout of `model` + `tok` to `out_dir` (replacing any previous export there)."""
+                 metadata: dict | None = None, suite: str | None = None) -> Path:
+    """Write the HF layout of `model` + `tok` to `out_dir` (replacing any previous export there). `suite`: the
+    task suite it was trained on, recorded in config.json (`redraft_task_suite`) for the evaluation."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
     out = Path(out_dir)
@@ -104,7 +105,8 @@ def export_model(model: LLaDA2Model, tok: Tokenizer, out_dir: str | Path, dtype:
     (out / "model.safetensors").chmod(0o644)  # package data: readable like the other files
     save_pretrained_tokenizer(tok.backend, out, tok.chat_template,
                               model_max_length=model.cfg.max_position_embeddings)
-    (out / "config.json").write_text(json.dumps(config_json(model.cfg, tok, dtype), indent=2) + "\n")
+    config = config_json(model.cfg, tok, dtype) | ({"redraft_task_suite": suite} if suite else {})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     bos = tok.token_to_id(BOS_TOKEN)
     generation = {"bos_token_id": bos, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
                   "block_length": 32, "threshold": 0.7, "editing_threshold": 0.5, "max_post_steps": 16,
@@ -126,7 +128,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: str = "float32")
     tok = Tokenizer.from_pretrained(run / "tokenizer")
     model = init_model(model_config(tcfg, tok), tcfg.seed)
     model.load_state_dict(state["model"])
-    return export_model(model, tok, out_dir, dtype, metadata={"redraft_train_step": state["step"]})
+    return export_model(model, tok, out_dir, dtype, metadata={"redraft_train_step": state["step"]},
+                        suite=tcfg.suite)
 
 
 def export_main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,8 @@
-"""The demo task suite (issue 5): five families of one-turn problems with exact answers.
+"""The demo task suite: one-turn problems with exact answers, in two versions.
+
+Suite v1 (the first bundled model): five families whose answers fit one 32-token block. Suite v2 (its
+successor) keeps them, makes the code family copy any name it is given, and adds two families whose answers
+span several blocks, so that drafting in parallel, editing and multi-block editing have room to show:
 
 Every example is one user turn and one assistant turn in the LLaDA2 chat format; the assistant's answer is
 exactly `Example.answer` (for chat, any of `Example.answers` is right).
@@ -9,11 +13,16 @@ exactly `Example.answer` (for chat, any of `Example.answers` is right).
 - code:    `Write a Python function named F that returns the OP of a and b.`
            -> `def F(a, b):\n    return E`
 - chat:    `Tell me about the X.` -> one of three sentences about X
+v2 only:
+- code:    as above, the name any snake_case name of one or two parts of 3..8 random letters (30% list words)
+- count:   `Count from A to B.`, A in 0..899, B - A in 10..40 -> `A A+1 ... B` (2-4 blocks)
+- repeat:  `Repeat the word W N times.`, W of 3..7 random letters, N in 4..12 -> W N times, space-separated
 
 Train and eval are disjoint by construction: a problem's canonical key (the problem up to trivial rewrites:
 `A + B` and `B + A` share one key, so do the permutations of a list to sort, and the three answers of a chat
 prompt) is hashed, and the hash alone decides its split. A generator for one split rejects the other's
-problems, so no eval problem ever appears in training, whatever the seed.
+problems, so no eval problem ever appears in training, whatever the seed. In v2 the code key is the function
+name alone and the repeat key the word alone: a held-out name or word never appears in training at all.
 
 A curriculum `level` in [0, 1] shrinks the problems (small operands, short words and lists, one-word
 function names); level 1 is exactly the distribution above.
@@ -30,11 +39,15 @@ from functools import lru_cache
 from typing import Any
 
 FAMILIES: tuple[str, ...] = ("math", "reverse", "sort", "code", "chat")
+FAMILIES_V2: tuple[str, ...] = (*FAMILIES, "count", "repeat")
+SUITES: dict[str, tuple[str, ...]] = {"v1": FAMILIES, "v2": FAMILIES_V2}
+MULTI_BLOCK_FAMILIES: tuple[str, ...] = ("count", "repeat")
 SPLITS: tuple[str, ...] = ("train", "eval")
 
 # Fraction of each family's problems that belong to eval. Chat has only as many problems as animals, so it
 # keeps a larger share back (a held-out animal is a name the model must copy without having seen it asked).
-EVAL_FRACTION: dict[str, float] = {"math": 0.1, "reverse": 0.1, "sort": 0.1, "code": 0.1, "chat": 0.2}
+EVAL_FRACTION: dict[str, float] = {"math": 0.1, "reverse": 0.1, "sort": 0.1, "code": 0.1, "chat": 0.2,
+                                   "count": 0.1, "repeat": 0.1}
 _SPLIT_SALT = "redraft-demo-tasks-v1"
 
 # 120 words for function names (lowercase, no underscore: names join one or two of them with "_").
@@ -138,14 +151,46 @@ def make_code(name: str, op: str) -> Example:
     return Example("code", user, answer, (answer,), f"code|{name}|{op}")
 
 
+def make_code_v2(name: str, op: str) -> Example:
+    """v2: the same problem, split by the name alone (a held-out name is never trained on, with any op)."""
+    ex = make_code(name, op)
+    return Example("code", ex.user, ex.answer, ex.answers, f"code-name|{name}")
+
+
+def make_count(a: int, b: int) -> Example:
+    answer = " ".join(str(n) for n in range(a, b + 1))
+    return Example("count", f"Count from {a} to {b}.", answer, (answer,), f"count|{a}|{b}")
+
+
+def make_repeat(word: str, n: int) -> Example:
+    answer = " ".join([word] * n)
+    return Example("repeat", f"Repeat the word {word} {n} times.", answer, (answer,), f"repeat-word|{word}")
+
+
 def make_chat(animal: str, template: int) -> Example:
     answers = tuple(t.format(x=animal) for t in CHAT_TEMPLATES)
     return Example("chat", f"Tell me about the {animal}.", answers[template], answers, f"chat|{animal}")
 
 
 # ----- sampling --------------------------------------------------------------------------------------
-def _draw(family: str, rng: random.Random, level: float) -> Example:
+def _letters(rng: random.Random, lo: int, hi: int) -> str:
+    return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(lo, hi)))
+
+
+def _draw(family: str, rng: random.Random, level: float, suite: str = "v1") -> Example:
     """One problem of `family` at curriculum `level` (1.0 = the full distribution), either split."""
+    if suite == "v2":
+        if family == "code":
+            parts = 1 + (rng.random() < 0.5 * level)
+            longest = 3 + round(5 * level)
+            name = "_".join(rng.choice(CODE_WORDS) if rng.random() < 0.3 else _letters(rng, 3, longest)
+                            for _ in range(parts))
+            return make_code_v2(name, rng.choice(sorted(CODE_OPS)))
+        if family == "count":
+            a = rng.randint(0, 899)
+            return make_count(a, a + rng.randint(10, 10 + round(30 * level)))
+        if family == "repeat":
+            return make_repeat(_letters(rng, 3, 3 + round(4 * level)), rng.randint(4, 4 + round(8 * level)))
     if family == "math":
         top = 9 + round(90 * level)
         return make_math(rng.randint(0, top), rng.choice("+-"), rng.randint(0, top))
@@ -165,14 +210,16 @@ def _draw(family: str, rng: random.Random, level: float) -> Example:
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
-def sample(family: str, split: str, rng: random.Random, level: float = 1.0) -> Example:
+def sample(family: str, split: str, rng: random.Random, level: float = 1.0, suite: str = "v1") -> Example:
     """A problem of `family` from `split` (rejection: problems of the other split are redrawn)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
     if not 0.0 <= level <= 1.0:
         raise ValueError(f"level must be in [0, 1], not {level}")
+    if family not in SUITES.get(suite, ()):
+        raise ValueError(f"unknown family {family!r} for suite {suite!r}; choose from {SUITES.get(suite)}")
     for _ in range(10_000):
-        ex = _draw(family, rng, level)
+        ex = _draw(family, rng, level, suite)
         if split_of(ex.key, family) == split:
             return ex
     raise RuntimeError(f"no {split} problem of {family!r} found at level {level}")
@@ -187,13 +234,16 @@ class TaskGenerator:
     """
 
     def __init__(self, seed: int, split: str = "train", weights: dict[str, float] | None = None,
-                 invented_animals: float = 0.0):
+                 invented_animals: float = 0.0, suite: str = "v1"):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+        if suite not in SUITES:
+            raise ValueError(f"suite must be one of {sorted(SUITES)}, not {suite!r}")
         self.rng = random.Random(seed)
         self.split = split
-        w = weights or {f: 1.0 for f in FAMILIES}
-        self.families = [f for f in FAMILIES if w.get(f, 0.0) > 0]
+        self.suite = suite
+        w = weights or {f: 1.0 for f in SUITES[suite]}
+        self.families = [f for f in SUITES[suite] if w.get(f, 0.0) > 0]
         self.weights = [w[f] for f in self.families]
         self.invented_animals = invented_animals if split == "train" else 0.0
         self.level = 1.0
@@ -210,7 +260,7 @@ class TaskGenerator:
                 name = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 8)))
                 if name not in ANIMALS and split_of(f"chat|{name}", "chat") == self.split:
                     return make_chat(name, self.rng.randrange(len(CHAT_TEMPLATES)))
-        return sample(family, self.split, self.rng, level)
+        return sample(family, self.split, self.rng, level, self.suite)
 
     def batch(self, n: int) -> list[Example]:
         return [next(self) for _ in range(n)]
@@ -222,7 +272,7 @@ class TaskGenerator:
         self.rng.setstate(state)
 
 
-def eval_set(seed: int, per_family: int, families: Sequence[str] = FAMILIES) -> list[Example]:
+def eval_set(seed: int, per_family: int, families: Sequence[str] = FAMILIES, suite: str = "v1") -> list[Example]:
     """Held-out problems, `per_family` of each family, deterministic for a seed.
 
     Distinct problems where the family has enough of them; chat has one problem per held-out animal, so
@@ -237,7 +287,7 @@ def eval_set(seed: int, per_family: int, families: Sequence[str] = FAMILIES) -> 
         for _ in range(200 * per_family):
             if len(picked) == per_family:
                 break
-            ex = sample(family, "eval", rng)
+            ex = sample(family, "eval", rng, suite=suite)
             if ex.key not in seen:
                 seen.add(ex.key)
                 picked.append(ex)

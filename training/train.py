@@ -45,9 +45,10 @@ from redraft.engine.model import LLaDA2Model, MoE
 from redraft.engine.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, load_default_chat_template,
                                       save_pretrained_tokenizer)
 from redraft.kernels.moe import route_torch
-from redraft.training.data import (DEMO_VOCAB_SIZE, Bucket, add_noise, build_demo_tokenizer, dual_copy_mask,
-                                   dual_copy_positions, encode_example, make_buckets)
-from redraft.training.tasks import FAMILIES, TaskGenerator
+from redraft.training.data import (DEMO_VOCAB_SIZE, Bucket, WindowExample, add_noise, build_demo_tokenizer,
+                                   dual_copy_mask, dual_copy_positions, encode_example, make_buckets, window_examples,
+                                   window_mask)
+from redraft.training.tasks import FAMILIES_V2, TaskGenerator
 
 log = logging.getLogger("redraft.train")
 
@@ -96,7 +97,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.98)
     curriculum_steps: int = 8_000  # the problem size grows to full over this many steps
     family_weights: dict[str, float] = field(default_factory=lambda: {
-        "math": 1.6, "reverse": 1.0, "sort": 1.0, "code": 0.7, "chat": 0.9})
+        "math": 1.6, "reverse": 1.0, "sort": 1.0, "code": 0.7, "chat": 0.9, "count": 1.5, "repeat": 1.2})
     digit_numbers: bool = False  # tokenize numbers digit by digit (data.build_demo_tokenizer)
     number_init: bool = True  # structured initial embeddings for number tokens (init_number_embeddings)
     number_features: str = "digits"  # "digits": place-digit features; "fourier": + cos/sin of the value
@@ -116,6 +117,9 @@ class TrainConfig:
     ckpt_every: int = 250
     eval_every: int = 2_000
     eval_per_family: int = 40
+    suite: str = "v1"  # the task suite (training/tasks.py): "v1", or "v2" with multi-block answers
+    p_mbe: float = 0.0  # share of multi-block sequences trained on a multi-block-editing window instead
+    max_mbe_window: int = 3  # window sizes 1..this for those
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "TrainConfig":
@@ -252,6 +256,40 @@ def forward_logits(model: LLaDA2Model, inputs: list[tuple[Bucket, torch.Tensor]]
     return model.logits(hidden[torch.cat(picks)])  # [N, V]
 
 
+def forward_windows(model: LLaDA2Model, examples: list[WindowExample]) -> torch.Tensor:
+    """One forward over multi-block-editing windows (examples of one shape share a segment and its mask);
+    logits [N, V] at every example's scored positions, example by example."""
+    groups: dict[tuple[int, int, int], list[WindowExample]] = {}
+    for ex in examples:
+        groups.setdefault((len(ex.xt), ex.window_start, ex.active), []).append(ex)
+    ids, pos, segments, picks = [], [], [], []
+    start = 0
+    for (length, window_start, active), exs in groups.items():
+        ids += [ex.xt for ex in exs]
+        pos.append(torch.arange(length).repeat(len(exs)))
+        segments.append(Segment(start, len(exs), length, window_mask(length // BLOCK_SIZE, window_start, active)))
+        for k, ex in enumerate(exs):
+            picks.append(start + k * length + ex.scored.nonzero().flatten())
+        start += len(exs) * length
+    meta = DenseMeta(torch.cat(pos), segments)
+    hidden = model(torch.cat(ids), meta, [None] * len(model.layers), [None] * len(model.layers))  # [T, H]
+    return model.logits(hidden[torch.cat(picks)])  # [N, V]
+
+
+def window_order(examples: list[WindowExample]) -> list[WindowExample]:
+    """The order forward_windows returns their positions in (grouped by shape, first appearance first)."""
+    groups: dict[tuple[int, int, int], list[WindowExample]] = {}
+    for ex in examples:
+        groups.setdefault((len(ex.xt), ex.window_start, ex.active), []).append(ex)
+    return [ex for exs in groups.values() for ex in exs]
+
+
+def sub_bucket(b: Bucket, keep: torch.Tensor) -> Bucket:
+    """The rows of a bucket where `keep` ([B] bool) is True."""
+    return Bucket(b.num_blocks, b.x0[keep], b.alt[keep], b.response[keep], b.weight[keep], b.content[keep],
+                  [f for f, k in zip(b.family, keep.tolist()) if k])
+
+
 # ----- load balancing of the routers ----------------------------------------------------------------------
 class RouterLoad:
     """Counts how many tokens each expert received in the training forward (via forward hooks)."""
@@ -297,18 +335,27 @@ class Trainer:
         self.tok = self._tokenizer()
         self.cfg = model_config(tcfg, self.tok)
         self.model = init_model(self.cfg, tcfg.seed)
-        if tcfg.init_from:
+        if tcfg.init_from and Path(tcfg.init_from).is_dir():
+            # warm start from an exported model (Hugging Face layout, e.g. engine/demo_model): its weights are
+            # trained already, number rows included
+            from redraft.engine.loader import load_model
+
+            src = Path(tcfg.init_from)
+            loaded = load_model(src, ModelConfig.from_pretrained(src), dtype="float32", device="cpu", progress=False)
+            self.model.load_state_dict(loaded.state_dict())
+        elif tcfg.init_from:
             # warm start from another run of the same architecture and tokenizer: weights only (fresh optimizer)
             state = torch.load(tcfg.init_from, map_location="cpu", weights_only=False)
             self.model.load_state_dict(state["model"])
-        if tcfg.number_init and not tcfg.digit_numbers:
+        if tcfg.number_init and not tcfg.digit_numbers and not (tcfg.init_from and Path(tcfg.init_from).is_dir()):
             init_number_embeddings(self.model, self.tok, tcfg.seed, tcfg.number_features)
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}], lr=tcfg.lr, betas=tcfg.betas)
         self.load = RouterLoad(self.model)
-        self.gen = TaskGenerator(tcfg.seed, "train", tcfg.family_weights, invented_animals=tcfg.invented_animals)
+        self.gen = TaskGenerator(tcfg.seed, "train", tcfg.family_weights, invented_animals=tcfg.invented_animals,
+                                 suite=tcfg.suite)
         self.rng = random.Random(tcfg.seed + 1)
         self.torch_gen = torch.Generator().manual_seed(tcfg.seed + 2)
         specials = {self.tok.token_to_id(t) for t in LLADA2_SPECIAL_TOKENS}
@@ -319,9 +366,15 @@ class Trainer:
 
     def _tokenizer(self) -> Tokenizer:
         tdir = self.run / "tokenizer"
-        source = Path(self.tcfg.init_from).parent / "tokenizer" if self.tcfg.init_from else None
+        source = None
+        if self.tcfg.init_from:  # a warm start keeps the token ids its weights were trained with
+            init = Path(self.tcfg.init_from)
+            source = init if init.is_dir() else init.parent / "tokenizer"
         if not (tdir / "tokenizer.json").is_file() and source is not None and (source / "tokenizer.json").is_file():
-            shutil.copytree(source, tdir)  # a warm start keeps the token ids its weights were trained with
+            tdir.mkdir(parents=True, exist_ok=True)
+            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                if (source / name).is_file():
+                    shutil.copy2(source / name, tdir / name)
         if not (tdir / "tokenizer.json").is_file():
             hf = build_demo_tokenizer(self.tcfg.vocab_size, self.tcfg.seed, digits=self.tcfg.digit_numbers)
             save_pretrained_tokenizer(hf, tdir, load_default_chat_template(),
@@ -395,17 +448,42 @@ class Trainer:
             scored_all[ch] = part.response  # scored at every response position, as in the editing stream
             items[i][1], items[i][2] = xt_all, scored_all
 
+    def split_windows(self, buckets: list[Bucket]) -> tuple[list[Bucket], list[WindowExample]]:
+        """Send a share p_mbe of the sequences with two or more response blocks to the multi-block-editing window
+        layout (window_examples); the rest stay in the dual-copy layout."""
+        c = self.tcfg
+        if c.p_mbe <= 0:
+            return buckets, []
+        dual, windows = [], []
+        for b in buckets:
+            first = b.response.float().argmax(1) // BLOCK_SIZE  # [B] the first response block
+            multi = (b.num_blocks - first) >= 2
+            pick = multi & (torch.rand(b.size, generator=self.torch_gen) < c.p_mbe)
+            if pick.any():
+                windows += window_examples(b, pick.nonzero().flatten(), self.tok.mask_token_id, self.noise_vocab,
+                                           self.torch_gen, max_window=c.max_mbe_window, p_edit=c.p_edit,
+                                           max_edit_rate=c.max_edit_rate)
+            if (~pick).any():
+                dual.append(sub_bucket(b, ~pick) if pick.any() else b)
+        return dual, window_order(windows)
+
     def train_step(self, buckets: list[Bucket]) -> dict[str, float]:
         c = self.tcfg
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step)
-        noisy = self.noised(buckets, mtf=self.step >= c.mtf_start)
+        buckets, windows = self.split_windows(buckets)
+        noisy = self.noised(buckets, mtf=self.step >= c.mtf_start) if buckets else []
         self.model.train()
         self.load.enabled = True
-        logits = forward_logits(self.model, [(b, xt) for b, xt, _ in noisy], [sc for _, _, sc in noisy])
+        parts = []
+        if noisy:
+            parts.append(forward_logits(self.model, [(b, xt) for b, xt, _ in noisy], [sc for _, _, sc in noisy]))
+        if windows:
+            parts.append(forward_windows(self.model, windows))
+        logits = torch.cat(parts)
         self.load.enabled = False
-        target = torch.cat([b.x0[sc] for b, _, sc in noisy])
-        weight = torch.cat([b.weight[sc] for b, _, sc in noisy])
+        target = torch.cat([b.x0[sc] for b, _, sc in noisy] + [ex.x0[ex.scored] for ex in windows])
+        weight = torch.cat([b.weight[sc] for b, _, sc in noisy] + [ex.weight[ex.scored] for ex in windows])
         ce = F.cross_entropy(logits.float(), target, reduction="none")
         loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
         self.opt.zero_grad(set_to_none=True)
@@ -418,14 +496,22 @@ class Trainer:
                  "moe_max_load": imbalance, "level": self.gen.level}
         with torch.no_grad():  # argmax accuracy on the scored answer tokens, overall and per family
             right = logits.argmax(-1) == target
-            content = torch.cat([b.content[sc] for b, _, sc in noisy])
-            fam = torch.cat([torch.tensor([FAMILIES.index(f) for f in b.family])[:, None].expand_as(sc)[sc]
-                             for b, _, sc in noisy])
+            content = torch.cat([b.content[sc] for b, _, sc in noisy] + [ex.content[ex.scored] for ex in windows])
+            fam = torch.cat([torch.tensor([FAMILIES_V2.index(f) for f in b.family])[:, None].expand_as(sc)[sc]
+                             for b, _, sc in noisy]
+                            + [torch.full((int(ex.scored.sum()),), FAMILIES_V2.index(ex.family)) for ex in windows])
             stats["acc"] = float(right[content].float().mean())
-            for i, f in enumerate(FAMILIES):
+            for i, f in enumerate(FAMILIES_V2):
                 sel = content & (fam == i)
                 if sel.any():
                     stats[f"acc_{f}"] = float(right[sel].float().mean())
+            if windows:
+                earlier = torch.cat([(torch.arange(len(ex.xt)) < ex.active * BLOCK_SIZE)[ex.scored] for ex in windows])
+                wrong_in = torch.cat([(ex.xt != ex.x0)[ex.scored] for ex in windows])
+                sel = torch.zeros_like(right)
+                sel[-len(earlier):] = earlier & wrong_in
+                if sel.any():  # how often an earlier window block's wrong token is repaired
+                    stats["acc_mbe_repair"] = float(right[sel].float().mean())
         return stats
 
     # -- checkpoints --
@@ -481,9 +567,9 @@ class Trainer:
         from redraft.training.export import export_model
 
         out_dir = self.run / "eval_model"
-        export_model(self.model, self.tok, out_dir, metadata={"redraft_train_step": self.step})
+        export_model(self.model, self.tok, out_dir, metadata={"redraft_train_step": self.step}, suite=self.tcfg.suite)
         cmd = [sys.executable, "-m", "redraft.training.evaluate", "--model", str(out_dir), "--per-family",
-               str(per_family), "--seed", str(self.tcfg.seed + 1000), "--modes", *modes]
+               str(per_family), "--seed", str(self.tcfg.seed + 1000), "--modes", *modes, "--suite", self.tcfg.suite]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.tcfg.threads))
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
         if done.returncode != 0:
@@ -512,7 +598,7 @@ class Trainer:
                        "time": round(time.time(), 1)}
                 self.log(rec)
                 bar.set_postfix(loss=f"{avg['loss']:.3f}", acc=f"{avg['acc']:.3f}", lr=f"{avg['lr']:.2e}")
-                fams = " ".join(f"{f} {avg[f'acc_{f}']:.2f}" for f in FAMILIES if f"acc_{f}" in avg)
+                fams = " ".join(f"{f} {avg[f'acc_{f}']:.2f}" for f in FAMILIES_V2 if f"acc_{f}" in avg)
                 log.info("step %d loss %.4f acc %.3f (%s) gnorm %.2f lr %.2e level %.2f moe_max_load %.2f %.2f steps/s",
                          self.step, avg["loss"], avg["acc"], fams, avg["gnorm"], avg["lr"], avg["level"],
                          avg["moe_max_load"], rate)

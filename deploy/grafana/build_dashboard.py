@@ -61,6 +61,11 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
         ("Forwards per block", "short", "Denoising forwards a committed block took (redraft:block_steps).",
          [(quantile(0.5, "redraft:block_steps", "mode"), "p50 {{mode}}"),
           (quantile(0.99, "redraft:block_steps", "mode"), "p99 {{mode}}")], "timeseries"),
+        ("Multi-block edits/s and window size", "short",
+         "T2T edits landing in an earlier open block (redraft:mbe_edits_total) per mode and domain, and the "
+         "median multi-block-editing window of finished requests (1 = the official single-block loop).",
+         [(rate("redraft:mbe_edits_total", "domain, mode"), "edits/s {{domain}} {{mode}}"),
+          (quantile(0.5, "redraft:mbe_window", "mode"), "window p50 {{mode}}")], "timeseries"),
     ]),
     ("Latency", [
         ("Time to first token (first committed block)", "s",
