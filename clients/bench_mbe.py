@@ -82,16 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accuracy", action="store_true", help="also the demo model's accuracy with W = 1, 2, 3")
     p.add_argument("--model", default=None, help="checkpoint for --accuracy (default: the bundled demo model)")
     p.add_argument("--per-family", type=int, default=100)
+    p.add_argument("--skip-speed", action="store_true", help="only the accuracy part")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    rows = speed(args)
-    print(f"\ntiny random model, S mode, {args.new_tokens} new tokens per request, {args.threads} thread(s)\n")
-    print("| batch | W | forwards/s | output tokens/s | tokens/forward | multi-block edits | tokens/s vs W=1 |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['window']} | {r['forwards_per_s']:.1f} | {r['tokens_per_s']:.1f} | "
-              f"{r['tokens_per_forward']:.2f} | {r['mbe_edits']} | {r['speed_vs_w1']:.2f}x |")
-    out: dict = {"speed": rows}
+    out: dict = {}
+    if not args.skip_speed:
+        rows = out["speed"] = speed(args)
+        print(f"\ntiny random model, S mode, {args.new_tokens} new tokens per request, {args.threads} thread(s)\n")
+        print("| batch | W | forwards/s | output tokens/s | tokens/forward | multi-block edits | tokens/s vs W=1 |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} | {r['window']} | {r['forwards_per_s']:.1f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['tokens_per_forward']:.2f} | {r['mbe_edits']} | {r['speed_vs_w1']:.2f}x |")
     if args.accuracy:
         acc = accuracy(args)
         out["accuracy"] = acc

@@ -15,6 +15,17 @@ redraft train-demo --run-dir runs/demo --init-from runs/stage1/ckpt.pt --number-
     --steps 16000 --lr 1.5e-3 --curriculum-steps 1 --threads 2 --no-progress \
     --set mtf_start=0 --set 'family_weights={"math": 2.5}'
 
-# 3. Export into the package, then measure it.
-python -m redraft.training.export --run-dir runs/demo --out engine/demo_model
+# 3. v1: export it (the model shipped first), then measure it.
+python -m redraft.training.export --run-dir runs/demo --out runs/demo_v1_export
+redraft eval-demo --model runs/demo_v1_export --plot docs/demo_eval.png
+
+# 4. v2 (multi-block answers: count, repeat, any function name; multi-block-editing windows for a quarter of the
+#    multi-block sequences): warm start from the v1 export, 1 thread, 12000 steps.
+redraft train-demo --run-dir runs/demo_v2 --init-from runs/demo_v1_export --threads 1 --no-progress \
+    --steps 12000 --lr 1e-3 --curriculum-steps 3000 --eval-every 2000 \
+    --set suite='"v2"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 \
+    --set 'family_weights={"math": 1.2, "reverse": 0.8, "sort": 0.8, "code": 1.2, "chat": 0.6, "count": 1.6, "repeat": 1.3}'
+
+# 5. Export v2 into the package, then measure it.
+python -m redraft.training.export --run-dir runs/demo_v2 --out engine/demo_model
 redraft eval-demo --plot docs/demo_eval.png
