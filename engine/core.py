@@ -102,7 +102,7 @@ class EngineCore:
         if on_gpu and args.kernel_backend == "triton" and not args.disable_cuda_graph:
             graph_bs = max(0, min(args.cuda_graph_max_bs, args.max_running_requests))
         self.runner = ModelRunner(self.model, num_pages, args.max_running_requests, self.tokenizer.mask_token_id,
-                                  args.device, cuda_graph_max_bs=graph_bs)
+                                  self.tokenizer.eos_token_id, args.device, cuda_graph_max_bs=graph_bs)
         self._requests: dict[str, Request] = {}  # every request not yet reported finished
         self._timing: dict[str, _Timing] = {}
         self.num_forwards = 0
@@ -147,6 +147,13 @@ class EngineCore:
                 f"{len(ids) + resolved.max_new_tokens} tokens ({len(ids)} in the prompt, {resolved.max_new_tokens} "
                 "for the completion). Please reduce the length of the prompt or completion.",
                 code="context_length_exceeded", param="max_new_tokens")
+        bad_bias = next((t for t, _ in resolved.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise RequestRejected(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})",
+                                  param="logit_bias")
+        if resolved.min_tokens > resolved.max_new_tokens:
+            raise RequestRejected(f"min_tokens ({resolved.min_tokens}) is larger than max_new_tokens "
+                                  f"({resolved.max_new_tokens})", param="min_tokens")
         if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
             resolved = _with_seed(resolved, secrets.randbits(62))
         req = Request(rid=rid, prompt_ids=ids, params=resolved, mask_id=mask_id,

@@ -5,7 +5,9 @@ One forward proposes a token for every position of each request's active block; 
          the single masked position with the highest p is filled (top-1 fallback).
     T2T: already-placed, non-prompt positions whose proposal differs from the current token and has
          p > edit_threshold are replaced (strict >).
-Both come from the same forward. Everything here is tensor ops over [N, B] (no per-request Python loop).
+Both come from the same forward. Everything here is tensor ops over [N, B] (no per-request Python loop). The
+logits may have been adjusted first by the request's logit controls (engine/logit_controls.py: penalties,
+logit_bias, min_tokens), so the thresholds see the adjusted probabilities.
 The MASK id is never a proposal: its logit is dropped first (`exclude_mask_`). (A trained LLaDA2 never puts
 mass there; a model that did would leave its position masked and could stall a block forever.)
 """

@@ -18,6 +18,7 @@ import torch
 
 from redraft.engine.config import ModelConfig
 from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, joint_threshold_step
+from redraft.engine.logit_controls import LogitControls
 from redraft.engine.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
 from redraft.protocol.sampling_params import BLOCK_SIZE, MAX_MBE_WINDOW
@@ -106,7 +107,7 @@ class SlotState:
 
 
 class ModelRunner:
-    def __init__(self, model: LLaDA2Model, num_pages: int, num_slots: int, mask_id: int,
+    def __init__(self, model: LLaDA2Model, num_pages: int, num_slots: int, mask_id: int, eos_id: int,
                  device: str | torch.device, cuda_graph_max_bs: int = 0):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -122,6 +123,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P + 1, B, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.slots = SlotState(num_slots, BLOCK_SIZE, self.device)
+        self.controls = LogitControls(cfg.vocab_size, eos_id, self.device)
         log.info(
             "KV cache: %d pages x %d tokens (%.1f MiB)",
             num_pages, BLOCK_SIZE, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
@@ -161,6 +163,8 @@ class ModelRunner:
         reqs = [items[i].req for i in decoding]
         slots = self.slots.load(reqs)
         lens = [r.window_size * self.block_size for r in reqs]  # each window's positions
+        if any(r.params.has_logit_controls for r in reqs):
+            self.controls.apply(logits, reqs, self.slots.tokens[slots, : logits.shape[1]], self.mask_id)
         result = self._step(logits, slots, reqs)
         # T2T edits in blocks before the active one (the last block of each window): multi-block edits
         before_active = torch.arange(logits.shape[1], device=self.device)[None, :] < \

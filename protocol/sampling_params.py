@@ -32,6 +32,7 @@ PRESETS: dict[str, tuple[float, float, int]] = {
 AUTO_SPEED_DOMAINS = frozenset({"code", "math"})
 MODES = ("S", "Q", "auto")
 MAX_MBE_WINDOW = 8
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 INT64_MAX = 2**63 - 1
 
 # Level 4: what a request gets when no level names a value. max_new_tokens from here (or from any default
@@ -115,6 +116,13 @@ class SamplingParams:
     domain: str | None = None
     logprobs: bool = False  # per-token logprobs (of the forward that last saw each block)
     top_logprobs: int = 0  # and the top alternatives at each position, 0..20
+    # Logit controls (engine/logit_controls.py defines them for block diffusion)
+    stutter_penalty: float = 0.0  # >= 0: lowers the logit of the token the previous position holds
+    frequency_penalty: float = 0.0  # -2..2, per occurrence in the committed output (OpenAI)
+    presence_penalty: float = 0.0  # -2..2, once per token present in the committed output (OpenAI)
+    repetition_penalty: float = 1.0  # > 0, on tokens of the prompt or the committed output (HF / vLLM)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100), at most 300 (OpenAI)
+    min_tokens: int = 0  # no EOS / stop token before this many output tokens (vLLM)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -138,6 +146,10 @@ class SamplingParams:
                 raise SamplingParamsError(f"{key} must be a list", key)
             else:
                 values[key] = tuple(values[key])
+        if values.get("logit_bias") is not None:
+            values["logit_bias"] = _logit_bias_pairs(values["logit_bias"])
+        else:
+            values.pop("logit_bias", None)
         return cls(**values)
 
     def __post_init__(self) -> None:
@@ -160,6 +172,37 @@ class SamplingParams:
             fail("top_logprobs must be an integer in [0, 20]", "top_logprobs")
         if self.domain is not None and not isinstance(self.domain, str):
             fail("domain must be a string", "domain")
+        if not _is_num(self.stutter_penalty) or not 0.0 <= self.stutter_penalty <= 100.0:
+            fail("stutter_penalty must be a number in [0, 100]", "stutter_penalty")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                fail(f"{name} must be a number in [-2, 2]", name)
+        if not _is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            fail("repetition_penalty must be a number in (0, 100]", "repetition_penalty")
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            fail(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases", "logit_bias")
+        for tok, bias in self.logit_bias:
+            if not _is_int(tok) or not 0 <= tok <= INT64_MAX or not _is_num(bias) or not -100.0 <= bias <= 100.0:
+                fail("logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]", "logit_bias")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            fail("min_tokens must be an integer >= 0", "min_tokens")
+
+
+def _logit_bias_pairs(raw: Any) -> tuple[tuple[int, float], ...]:
+    """{"123": 5.0} or {123: 5.0} (OpenAI's JSON keys are strings) -> ((123, 5.0),), sorted by token id."""
+    if not isinstance(raw, dict):
+        raise SamplingParamsError("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    pairs = []
+    for key, bias in raw.items():
+        try:
+            tok = int(key) if not isinstance(key, bool) else None
+        except (TypeError, ValueError):
+            tok = None
+        if tok is None or (isinstance(key, str) and not key.strip().lstrip("-").isdigit()):
+            raise SamplingParamsError(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        pairs.append((tok, bias))
+    return tuple(sorted(pairs))
 
 
 def _validate_common(p: SamplingParams | Defaults, prefix: str) -> None:
@@ -207,10 +250,21 @@ class ResolvedParams:
     domain: str | None
     logprobs: bool
     top_logprobs: int
+    stutter_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def has_logit_controls(self) -> bool:
+        return bool(self.stutter_penalty or self.frequency_penalty or self.presence_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens)
 
 
 def effective_mode(mode: str, domain: str | None) -> str:
@@ -265,4 +319,10 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
         domain=params.domain,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        stutter_penalty=float(params.stutter_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        presence_penalty=float(params.presence_penalty),
+        repetition_penalty=float(params.repetition_penalty),
+        logit_bias=tuple((t, float(b)) for t, b in params.logit_bias),
+        min_tokens=params.min_tokens,
     )

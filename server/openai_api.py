@@ -57,7 +57,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, logprobs:
         "domain": req.request_domain,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
+        "logit_bias": req.logit_bias,
     }
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "stutter_penalty"):
+        if getattr(req, name) is not None:
+            raw[name] = getattr(req, name)
     try:
         return SamplingParams.from_dict(raw)
     except SamplingParamsError as exc:

@@ -1,5 +1,5 @@
 """OpenAI request bodies (pydantic). Unknown fields are rejected by name; fields we accept only at their
-no-op value (penalties 0, empty logit_bias, ...) are rejected by name when set to anything else."""
+no-op value (echo, suffix, best_of, ...) are rejected by name when set to anything else."""
 
 from __future__ import annotations
 
@@ -137,10 +137,13 @@ class _Common(Strict):
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
     ignore_eos: bool = False
-    # accepted only at their no-op values
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # logit controls (engine/logit_controls.py); the last three are vLLM's / SGLang's, sent through extra_body
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    stutter_penalty: float | None = Field(default=None, ge=0.0, le=100.0)
     # diffusion (extra_body)
     mode: Literal["S", "Q", "auto"] | None = None
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -167,12 +170,6 @@ class _Common(Strict):
         return stops
 
     def check_noop_fields(self) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise UnsupportedValue(name, f"{name} is not supported (only 0)")
-        if self.logit_bias:
-            raise UnsupportedValue("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "stream_options is only allowed with stream=true")
 

@@ -279,8 +279,10 @@ def naive_generate(
     mask_id: int,
     eos_id: int,
     block: int = BLOCK,
+    controls: Any = None,
 ) -> tuple[list[int], int]:
-    """Returns (output_ids, steps); steps counts forwards. Written line for line after facts §3."""
+    """Returns (output_ids, steps); steps counts forwards. Written line for line after facts §3. `controls`:
+    fn(logits [positions, V], x, first position, end of the committed output) -> logits (NaiveControls)."""
     P = len(input_ids)
     first_block = P // block
     last_block = (P + max_new_tokens - 1) // block
@@ -303,6 +305,8 @@ def naive_generate(
                 break
             logits = model.forward_logits(x[:hi])[lo:hi].clone()  # [block, V], everything up to the block's end
             logits[:, mask_id] = float("-inf")  # MASK is never a proposal
+            if controls is not None:
+                logits = controls(logits, x, lo, max(P, lo))
             steps += 1
             v = logits.argmax(dim=-1)  # [block]
             p = torch.softmax(logits, dim=-1).gather(1, v[:, None])[:, 0]  # [block]
@@ -347,6 +351,7 @@ def naive_mbe_generate(
     mask_id: int,
     eos_id: int,
     block: int = BLOCK,
+    controls: Any = None,
 ) -> tuple[list[int], int]:
     """Returns (output_ids, steps). Written from the definition, independently of the engine: every forward
     recomputes the whole sequence up to the active block under `mbe_mask`; M2T fills masks of the active
@@ -375,6 +380,8 @@ def naive_mbe_generate(
                 break
             logits = model.forward_logits(x[:hi], attend)[lo:hi].clone()  # [window tokens, V]
             logits[:, mask_id] = float("-inf")
+            if controls is not None:
+                logits = controls(logits, x, lo, max(P, lo))  # committed output: [P, window start)
             steps += 1
             v = logits.argmax(dim=-1)
             p = torch.softmax(logits, dim=-1).gather(1, v[:, None])[:, 0]
@@ -395,3 +402,41 @@ def naive_mbe_generate(
     if eos_id in out:
         out = out[: out.index(eos_id) + 1]
     return out, steps
+
+
+class NaiveControls:
+    """The logit controls written from their definitions (docs/openai.md), one position at a time, for the
+    naive loops: repetition, frequency and presence penalties over the committed output (and the prompt for
+    repetition), the stutter penalty on the token the previous position holds now, logit_bias, min_tokens."""
+
+    def __init__(self, prompt_len: int, mask_id: int, eos_id: int, *, stutter: float = 0.0, frequency: float = 0.0,
+                 presence: float = 0.0, repetition: float = 1.0, logit_bias: dict[int, float] | None = None,
+                 min_tokens: int = 0, stop_token_ids: tuple[int, ...] = ()) -> None:
+        self.P, self.mask_id, self.eos_id = prompt_len, mask_id, eos_id
+        self.stutter, self.frequency, self.presence, self.repetition = stutter, frequency, presence, repetition
+        self.logit_bias = dict(logit_bias or {})
+        self.min_tokens, self.stop_token_ids = min_tokens, stop_token_ids
+
+    def __call__(self, logits: torch.Tensor, x: torch.Tensor, first: int, committed_end: int) -> torch.Tensor:
+        out = logits.clone()
+        output = x[self.P : committed_end].tolist()
+        counts: dict[int, int] = {}
+        for t in output:
+            counts[t] = counts.get(t, 0) + 1
+        seen = set(output) | set(x[: self.P].tolist())
+        for j in range(out.shape[0]):
+            pos = first + j
+            row = out[j]
+            if self.repetition != 1.0:
+                for t in seen:
+                    row[t] = row[t] / self.repetition if row[t] > 0 else row[t] * self.repetition
+            for t, c in counts.items():
+                row[t] = row[t] - self.frequency * c - self.presence
+            if self.stutter and pos >= 1 and int(x[pos - 1]) != self.mask_id:
+                row[int(x[pos - 1])] -= self.stutter
+            for t, b in self.logit_bias.items():
+                row[t] += b
+            if pos - self.P < self.min_tokens:
+                for t in {self.eos_id, *self.stop_token_ids}:
+                    row[t] = float("-inf")
+        return out

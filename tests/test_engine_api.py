@@ -90,7 +90,9 @@ def test_input_errors_are_clear(engine):
     with pytest.raises(ValueError, match="2 sampling_params for 1"):
         engine.generate(input_ids=[[5]], sampling_params=[{}, {}])
     with pytest.raises(SamplingParamsError, match="unsupported"):
-        engine.generate(input_ids=[5], sampling_params={"frequency_penalty": 1.0})
+        engine.generate(input_ids=[5], sampling_params={"best_of": 2})
+    with pytest.raises(SamplingParamsError, match="frequency_penalty"):
+        engine.generate(input_ids=[5], sampling_params={"frequency_penalty": 2.5})
 
 
 def test_pages_are_returned_after_every_call(engine):

@@ -325,6 +325,41 @@ def test_stop_string_cuts_before_it(client):
     assert got.choices[0].finish_reason == "stop"
 
 
+def _adjacent_repeats(tokens: list[str]) -> int:
+    return sum(a == b for a, b in zip(tokens, tokens[1:]))
+
+
+def test_logit_controls_through_the_sdk(client, tok):
+    """logit_bias -100 removes a token the model emits; min_tokens lengthens an answer that ends early;
+    stutter_penalty lowers how often a token repeats the one before it (S mode, random tiny model)."""
+    kw = dict(model=SERVED_NAME, prompt=PROMPTS[1], temperature=0, max_tokens=64, logprobs=0)
+    free = client.completions.create(**kw, extra_body={"mode": "S", "ignore_eos": True}).choices[0].logprobs.tokens
+    clean = [t for t in free if t.strip() and "\ufffd" not in t and len(tok.encode(t)) == 1]
+    common = max(set(clean), key=clean.count)  # a token the model emits, whose text names it uniquely
+    banned = client.completions.create(**kw, logit_bias={str(tok.encode(common)[0]): -100},
+                                       extra_body={"mode": "S", "ignore_eos": True})
+    assert common not in banned.choices[0].logprobs.tokens
+    # min_tokens: an answer made to end at once (EOS pushed up by logit_bias) runs to at least min_tokens
+    eos = {str(tok.eos_token_id): 15}
+    short = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], temperature=0, max_tokens=64,
+                                      logit_bias=eos, extra_body={"mode": "S"})
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 5
+    longer = client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], temperature=0, max_tokens=64,
+                                       logit_bias=eos, extra_body={"mode": "S", "min_tokens": 40})
+    assert longer.usage.completion_tokens >= 40
+    # stutter: adjacent repeated tokens over several prompts, with and without the penalty
+    counts = {}
+    for penalty in (0.0, 3.0):
+        total = 0
+        for text in PROMPTS + ["a quiet river", "the golden machine"]:
+            r = client.completions.create(model=SERVED_NAME, prompt=text, temperature=0, max_tokens=64, logprobs=0,
+                                          extra_body={"mode": "S", "ignore_eos": True, "stutter_penalty": penalty})
+            total += _adjacent_repeats(r.choices[0].logprobs.tokens)
+        counts[penalty] = total
+    print(f"adjacent repeated tokens over 4 x 64 tokens, S mode: penalty 0: {counts[0.0]}, penalty 3: {counts[3.0]}")
+    assert counts[3.0] < counts[0.0], counts
+
+
 def test_max_tokens_and_length(client):
     ign = {"ignore_eos": True}
     r = client.chat.completions.create(model=SERVED_NAME, messages=user(PROMPTS[0]), max_tokens=20, extra_body=ign)
@@ -621,12 +656,22 @@ BATTERY: list[tuple[str, str, str, Any, int, str | None]] = [
      {"content": json.dumps({"messages": M}).encode(), "headers": {"content-type": "text/plain"}}, 400, None),
     ("form body", "POST", "/v1/completions",
      {"content": b"prompt=hi", "headers": {"content-type": "application/x-www-form-urlencoded"}}, 400, None),
-    ("frequency_penalty 0.5", "POST", "/v1/chat/completions", {"json": {"messages": M, "frequency_penalty": 0.5}},
+    ("frequency_penalty 2.5", "POST", "/v1/chat/completions", {"json": {"messages": M, "frequency_penalty": 2.5}},
      400, "frequency_penalty"),
-    ("presence_penalty 1", "POST", "/v1/completions", {"json": {"prompt": "hi", "presence_penalty": 1}}, 400,
+    ("presence_penalty -3", "POST", "/v1/completions", {"json": {"prompt": "hi", "presence_penalty": -3}}, 400,
      "presence_penalty"),
-    ("logit_bias", "POST", "/v1/chat/completions", {"json": {"messages": M, "logit_bias": {"50": 10}}}, 400,
+    ("logit_bias 500", "POST", "/v1/chat/completions", {"json": {"messages": M, "logit_bias": {"50": 500}}}, 400,
      "logit_bias"),
+    ("logit_bias key", "POST", "/v1/chat/completions", {"json": {"messages": M, "logit_bias": {"fifty": 1}}}, 400,
+     "logit_bias"),
+    ("logit_bias id", "POST", "/v1/completions", {"json": {"prompt": "hi", "logit_bias": {str(10**6): 1}}}, 400,
+     "logit_bias"),
+    ("repetition_penalty 0", "POST", "/v1/completions", {"json": {"prompt": "hi", "repetition_penalty": 0}}, 400,
+     "repetition_penalty"),
+    ("min_tokens > max_tokens", "POST", "/v1/completions",
+     {"json": {"prompt": "hi", "max_tokens": 4, "min_tokens": 9}}, 400, "min_tokens"),
+    ("stutter_penalty -1", "POST", "/v1/completions", {"json": {"prompt": "hi", "stutter_penalty": -1}}, 400,
+     "stutter_penalty"),
     ("echo", "POST", "/v1/completions", {"json": {"prompt": "hi", "echo": True}}, 400, "echo"),
     ("suffix", "POST", "/v1/completions", {"json": {"prompt": "hi", "suffix": "!"}}, 400, "suffix"),
     ("best_of 3", "POST", "/v1/completions", {"json": {"prompt": "hi", "best_of": 3}}, 400, "best_of"),
@@ -673,7 +718,9 @@ BATTERY: list[tuple[str, str, str, Any, int, str | None]] = [
      {"json": {"text": "hi", "sampling_params": {"temperature": 0.5, "seed": 10**30, "max_new_tokens": 2}}}, 400,
      "seed"),
     ("native: unknown sampling parameter", "POST", "/generate",
-     {"json": {"text": "hi", "sampling_params": {"frequency_penalty": 1}}}, 400, None),
+     {"json": {"text": "hi", "sampling_params": {"best_of": 1}}}, 400, None),
+    ("native: frequency_penalty out of range", "POST", "/generate",
+     {"json": {"text": "hi", "sampling_params": {"frequency_penalty": 5}}}, 400, "sampling_params.frequency_penalty"),
     ("native: token id out of vocabulary", "POST", "/generate", {"json": {"input_ids": [VOCAB]}}, 400, None),
     ("native: a lone surrogate", "POST", "/generate", _raw(b'{"text": "\\ud83d"}'), 400, None),
 ]

@@ -34,6 +34,9 @@ MODE_PARAMS: dict[str, dict[str, Any]] = {
     "S-W3": {"mode": "S", "mbe_window": 3},
     "Q-W2": {"mode": "Q", "mbe_window": 2},
     "Q-W3": {"mode": "Q", "mbe_window": 3},
+    # the stutter penalty (engine/logit_controls.py)
+    "S-stutter1": {"mode": "S", "stutter_penalty": 1.0},
+    "S-stutter3": {"mode": "S", "stutter_penalty": 3.0},
 }
 ALL_MODES = ["Q", "S", "S-noedit", "Q-noedit"]
 MBE_MODES = ["S-W2", "S-W3", "Q-W2", "Q-W3"]
@@ -102,6 +105,7 @@ def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]])
     tokens = {f: 0 for f in families}
     forwards = {f: 0 for f in families}
     edits = mbe_edits = repairs = breaks = neutral = 0
+    pairs = repeats = 0
     for ex, o, ref in zip(exs, outs, refs):
         m = o["meta_info"]
         count[ex.family] += 1
@@ -110,6 +114,9 @@ def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]])
         forwards[ex.family] += m["steps"]
         edits += m.get("edits", 0)
         mbe_edits += m.get("mbe_edits", 0)
+        ids = [t for t in o["output_ids"]]
+        pairs += max(0, len(ids) - 1)
+        repeats += sum(a == b for a, b in zip(ids, ids[1:]))
         r, b, n = classify_edits(m.get("edit_trace", []), o["output_ids"], ref)
         repairs, breaks, neutral = repairs + r, breaks + b, neutral + n
     fams = [f for f in families if count[f]]
@@ -120,6 +127,7 @@ def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]])
     out["forwards_per_req"] = sum(forwards.values()) / len(exs)
     out["edits_per_req"] = edits / len(exs)
     out["mbe_edits_per_req"] = mbe_edits / len(exs)
+    out["adjacent_repeat_rate"] = repeats / max(1, pairs)  # stutter: a token equal to the one before it
     out["edits"] = {"total": edits, "repairs": repairs, "breaks": breaks, "neutral": neutral}
     return out
 
