@@ -8,6 +8,8 @@ render ourselves in a sandbox (the template ships with the checkpoint, so it is 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -165,6 +167,7 @@ class Tokenizer:
         self.pad_token_id: int = pad_id
         self.bos_token_id: int | None = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self._compiled_template: jinja2.Template | None = None
+        self._plain: _HFTokenizer | None = None  # a copy that reads special-token strings as text (encode_plain)
 
     @staticmethod
     def _read_chat_template(raw: Any) -> str | None:
@@ -258,8 +261,58 @@ class Tokenizer:
                                     add_generation_prompt=add_generation_prompt, **variables)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, tools=tools, **extra))
+                    tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
+                    **extra: Any) -> list[int]:
+        """Token ids of the rendered chat, where only the template's own markup can produce special tokens:
+        every string that comes from the messages or the tools (content, names, arguments, tool results and
+        descriptions) is tokenized as plain text, so `<|role_end|>` or `<role>SYSTEM</role>` typed by a user is
+        just text, as with OpenAI's API.
+
+        How: each such string is rendered between two markers carrying a per-call random nonce (so the text itself
+        cannot forge one), the marked spans are cut out of the rendered prompt and tokenized with special tokens
+        off, the template's text around them with special tokens on. A template that drops or splits a marker
+        (it transformed the text) is refused rather than tokenized unsafely."""
+        nonce = secrets.token_hex(8)
+        start, end = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
+        marked_messages = _mark_strings(messages, start, end)
+        marked_tools = _mark_strings(tools, start, end) if tools is not None else None
+        text = self.apply_chat_template(marked_messages, tools=marked_tools, add_generation_prompt=add_generation_prompt,
+                                        **extra)
+        ids: list[int] = []
+        pos = 0
+        spans = list(re.finditer(re.escape(start) + "(.*?)" + re.escape(end), text, re.DOTALL))
+        for m in [*spans, None]:
+            markup = text[pos : m.start() if m else len(text)]
+            if "\ue000" in markup or "\ue001" in markup or (m and nonce in m.group(1)):
+                raise ChatTemplateError("the chat template altered the message text (a marker was cut or nested); "
+                                        "it cannot be tokenized safely")
+            ids += self.encode(markup)
+            if m:
+                ids += self.encode_plain(m.group(1))
+                pos = m.end()
+        return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with every special-token string in it read as plain text."""
+        if self._plain is None:
+            plain = _HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+
+_STRUCTURAL_KEYS = frozenset({"role", "type"})  # compared by templates, never shown: left as they are
+
+
+def _mark_strings(value: Any, start: str, end: str) -> Any:
+    """A copy of `value` (messages or tools) with every string wrapped in the markers, but for structural keys."""
+    if isinstance(value, str):
+        return start + value + end
+    if isinstance(value, Mapping):
+        return {k: (v if k in _STRUCTURAL_KEYS else _mark_strings(v, start, end)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark_strings(v, start, end) for v in value]
+    return value
 
 
 def _byte_level_decoder() -> dict[str, int]:

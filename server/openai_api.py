@@ -205,12 +205,10 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:  # would collide with apply_chat_template's own arguments (a TypeError, i.e. a 500)
             raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
-        try:
-            prompt = state.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                         **template_kwargs)
+        try:  # message text is tokenized as plain text: only the template's markup makes special tokens
+            ids = state.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True, **template_kwargs)
         except ChatTemplateError as exc:
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
-        ids = state.tokenizer.encode(prompt)
         top = body.top_logprobs or 0
         params = [sampling_params(body, logprobs=body.logprobs, top_logprobs=top, choice=i) for i in range(body.n)]
         chat = ChatFormatter(state, f"chatcmpl-{rid}", body, len(ids), tools is not None)
