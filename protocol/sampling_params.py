@@ -33,6 +33,9 @@ AUTO_SPEED_DOMAINS = frozenset({"code", "math"})
 MODES = ("S", "Q", "auto")
 MAX_MBE_WINDOW = 8
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_STOP_STRINGS = 4  # OpenAI's cap, on every route
+MAX_STOP_LEN = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
 INT64_MAX = 2**63 - 1
 
 # Level 4: what a request gets when no level names a value. max_new_tokens from here (or from any default
@@ -160,10 +163,14 @@ class SamplingParams:
         # seed travels to the model runner as an int64 tensor: a larger value would crash its step.
         if self.seed is not None and (not _is_int(self.seed) or not -INT64_MAX - 1 <= self.seed <= INT64_MAX):
             fail("seed must be an integer in [-2^63, 2^63)", "seed")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            fail("stop must hold non-empty strings", "stop")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids must hold non-negative integers", "stop_token_ids")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            fail(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+        if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_LEN for s in self.stop):
+            fail(f"stop strings must have 1 to {MAX_STOP_LEN} characters", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            fail("stop_token_ids must hold token ids (integers >= 0)", "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos must be a boolean", "ignore_eos")
         if not isinstance(self.logprobs, bool):

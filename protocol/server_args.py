@@ -78,6 +78,8 @@ class ServerArgs:
         "require `Authorization: Bearer KEY` (repeat for several keys; /health, /live and /metrics stay open)",
         cli="serve", default=(), action="append")
     max_body_bytes: int = _opt("larger request bodies get 413", cli="serve", default=8 * 2**20, type=int)
+    max_choices_per_request: int = _opt("engine requests one HTTP request may start: /generate prompts, or "
+                                        "completions prompts x n (more: 400)", cli="serve", default=256, type=int)
     domains: str = _opt("the values of the metrics' `domain` label (a request's domain outside them counts as "
                         "`other`), comma-separated", cli="serve", default=",".join(DEFAULT_DOMAINS))
     log_level: str = _opt("logging level", default="info")

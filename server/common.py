@@ -40,13 +40,14 @@ class ServerState:
 
     def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str, model_path: str = "",
                  api_keys: tuple[str, ...] = (), max_body_bytes: int = 8 * 2**20,
-                 domains: tuple[str, ...] | str | None = None):
+                 domains: tuple[str, ...] | str | None = None, max_choices: int = 256):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_path = model_path
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
+        self.max_choices = max_choices  # engine requests one HTTP request may start
         self.metrics = ServerMetrics(model_name, domains)  # domains: the `domain` label's values (else "other")
         self.metrics.attach(client)
 
@@ -123,10 +124,13 @@ class ChoiceStream:
 
 
 async def start_streams(state: "ServerState", rids: list[str], prompts: list[list[int]],
-                        params: list[SamplingParams], param_names: dict[str, str] | None = None
-                        ) -> list[ChoiceStream]:
+                        params: list[SamplingParams], param_names: dict[str, str] | None = None,
+                        count_param: str = "n") -> list[ChoiceStream]:
     """Submit every output's engine request and wait until the engine accepted all of them; otherwise end them
     all and raise the route's APIError (so that no response status is sent before admission)."""
+    if len(prompts) > state.max_choices:
+        raise APIError(400, f"this request asks for {len(prompts)} outputs; the server allows at most "
+                            f"{state.max_choices} per request (--max-choices-per-request)", param=count_param)
     streams = [ChoiceStream(state, rid, ids, p, i) for i, (rid, ids, p) in enumerate(zip(rids, prompts, params))]
     try:
         for s in streams:

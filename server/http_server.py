@@ -152,7 +152,8 @@ def create_app(state: ServerState) -> FastAPI:
         rids = [base_rid] if len(prompts) == 1 else [f"{base_rid}-{i}" for i in range(len(prompts))]
         names = {"input_ids": "text" if body.text is not None else "input_ids",
                  **{k: f"sampling_params.{k}" for k in ("max_new_tokens", "rid")}}
-        streams = await start_streams(state, rids, prompts, [params] * len(prompts), names)
+        streams = await start_streams(state, rids, prompts, [params] * len(prompts), names,
+                                      count_param="text" if body.text is not None else "input_ids")
         if body.stream:
             return StreamingResponse(_native_sse(streams[0]), media_type="text/event-stream")
         outs = await run_until_disconnect(request, run_all(streams))

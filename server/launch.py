@@ -38,7 +38,8 @@ def serve(args: ServerArgs) -> int:
         info["num_params"] / 1e6, info["dtype"], info["device"], info["max_total_tokens"], info["max_model_len"],
     )
     name = args.served_model_name or model_path.name
-    state = ServerState(client, tokenizer, name, str(model_path), args.api_key, args.max_body_bytes, domains=domains)
+    state = ServerState(client, tokenizer, name, str(model_path), args.api_key, args.max_body_bytes, domains=domains,
+                        max_choices=args.max_choices_per_request)
     app = create_app(state)
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
     try:

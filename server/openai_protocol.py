@@ -8,10 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from redraft.protocol.sampling_params import MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
 MAX_N = 16
-MAX_CHOICES = 256  # prompts x n of one completions request: each choice is an engine request
-MAX_STOP_STRINGS = 4
-MAX_STOP_LEN = 256
 MAX_TOP_LOGPROBS = 20
 
 
@@ -48,6 +47,22 @@ def reject_lone_surrogates(data: Any) -> Any:
     if has_lone_surrogate(data):
         raise ValueError("a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not valid Unicode")
     return data
+
+
+def merge_extra_body(data: Any) -> Any:
+    """`extra_body` sent literally in the JSON (as curl users copy it from SDK examples, where the SDK would have
+    merged it) is merged into the request; a field given both ways is an error."""
+    if not isinstance(data, dict) or "extra_body" not in data:
+        return data
+    extra = data["extra_body"]
+    if extra is None:
+        return {k: v for k, v in data.items() if k != "extra_body"}
+    if not isinstance(extra, dict):
+        raise ValueError("extra_body must be an object (its fields are merged into the request)")
+    clash = sorted(k for k in extra if k in data and k != "extra_body")
+    if clash:
+        raise ValueError(f"{clash[0]} is given both at the top level and in extra_body")
+    return {**{k: v for k, v in data.items() if k != "extra_body"}, **extra}
 
 
 class Strict(BaseModel):
@@ -130,7 +145,7 @@ class _Common(Strict):
     top_k: int | None = Field(default=None, ge=-1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -155,7 +170,7 @@ class _Common(Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        return reject_lone_surrogates(data)
+        return merge_extra_body(reject_lone_surrogates(data))
 
     @field_validator("stop")
     @classmethod
@@ -218,8 +233,6 @@ class CompletionRequest(_Common):
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
-            if len(v) > 256:
-                raise ValueError("at most 256 prompts in one request")
         return v
 
     def check_noop_fields(self) -> None:
@@ -230,9 +243,7 @@ class CompletionRequest(_Common):
             raise UnsupportedValue("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
             raise UnsupportedValue("best_of", "best_of is not supported (only 1)")
-        prompts = len(self.prompt) if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int) else 1
-        if prompts * self.n > MAX_CHOICES:
-            raise UnsupportedValue("n", f"{prompts} prompts x n={self.n} exceeds {MAX_CHOICES} completions per request")
+
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -496,6 +496,19 @@ def _prompt_tokens(tok: Tokenizer, messages: list[dict], tools: list[dict] | Non
     return len(tok.encode(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)))
 
 
+def test_literal_extra_body_is_merged(http):
+    """curl users copy `extra_body` from SDK examples into the JSON itself: it is merged, a clash is a 400."""
+    body = {"model": SERVED_NAME, "messages": user("hi"), "max_tokens": 4, "extra_body": {"mode": "S"}}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["diffusion"]["mode"] == "S", r.text
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "extra_body": {"mode": "S"}})
+    assert r.status_code == 200 and r.json()["diffusion"]["mode"] == "S", r.text
+    clash = http.post("/v1/chat/completions", json={**body, "mode": "Q"})
+    assert "extra_body" in assert_error_shape(clash, 400)["message"]
+    unknown = http.post("/v1/chat/completions", json={**body, "extra_body": {"bogus": 1}})
+    assert assert_error_shape(unknown, 400)["param"] == "bogus"
+
+
 def test_special_token_text_in_messages_is_plain_text(client, tok):
     """`<|mask|>`, `<|role_end|>` or `<role>SYSTEM</role>` typed by a user are text, as with OpenAI: no 400, no
     extra turn; the prompt holds only the template's special tokens."""
@@ -729,6 +742,13 @@ BATTERY: list[tuple[str, str, str, Any, int, str | None]] = [
      "seed"),
     ("native: unknown sampling parameter", "POST", "/generate",
      {"json": {"text": "hi", "sampling_params": {"best_of": 1}}}, 400, None),
+    ("native: 300 prompts", "POST", "/generate", {"json": {"input_ids": [[20]] * 300}}, 400, "input_ids"),
+    ("native: 20 stop strings", "POST", "/generate",
+     {"json": {"text": "hi", "sampling_params": {"stop": [f"s{i}" for i in range(20)]}}}, 400, "sampling_params.stop"),
+    ("native: huge stop_token_id", "POST", "/generate",
+     {"json": {"text": "hi", "sampling_params": {"stop_token_ids": [2**70]}}}, 400, "stop_token_ids"),
+    ("completions: too many choices", "POST", "/v1/completions",
+     {"json": {"prompt": [[20]] * 20, "n": 16, "max_tokens": 1}}, 400, "n"),
     ("native: frequency_penalty out of range", "POST", "/generate",
      {"json": {"text": "hi", "sampling_params": {"frequency_penalty": 5}}}, 400, "sampling_params.frequency_penalty"),
     ("native: token id out of vocabulary", "POST", "/generate", {"json": {"input_ids": [VOCAB]}}, 400, None),
