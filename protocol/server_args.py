@@ -77,6 +77,9 @@ class ServerArgs:
     api_key: tuple[str, ...] = _opt(
         "require `Authorization: Bearer KEY` (repeat for several keys; /health, /live and /metrics stay open)",
         cli="serve", default=(), action="append")
+    admin_api_key: tuple[str, ...] = _opt(
+        "the key of the admin routes (/abort_request, /flush_cache): with --api-key set they need it and refuse "
+        "the ordinary keys (repeatable)", cli="serve", default=(), action="append")
     max_body_bytes: int = _opt("larger request bodies get 413", cli="serve", default=8 * 2**20, type=int)
     max_choices_per_request: int = _opt("engine requests one HTTP request may start: /generate prompts, or "
                                         "completions prompts x n (more: 400)", cli="serve", default=256, type=int)
@@ -138,6 +141,7 @@ class ServerArgs:
     def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> "ServerArgs":
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in names}
-        if "api_key" in values:
-            values["api_key"] = tuple(values["api_key"] or ())
+        for key in ("api_key", "admin_api_key"):
+            if key in values:
+                values[key] = tuple(values[key] or ())
         return cls(**{**values, **overrides})

@@ -40,12 +40,14 @@ class ServerState:
 
     def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str, model_path: str = "",
                  api_keys: tuple[str, ...] = (), max_body_bytes: int = 8 * 2**20,
-                 domains: tuple[str, ...] | str | None = None, max_choices: int = 256):
+                 domains: tuple[str, ...] | str | None = None, max_choices: int = 256,
+                 admin_keys: tuple[str, ...] = ()):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.model_path = model_path
         self.api_keys = api_keys
+        self.admin_keys = admin_keys
         self.max_body_bytes = max_body_bytes
         self.max_choices = max_choices  # engine requests one HTTP request may start
         self.metrics = ServerMetrics(model_name, domains)  # domains: the `domain` label's values (else "other")

@@ -39,7 +39,7 @@ def serve(args: ServerArgs) -> int:
     )
     name = args.served_model_name or model_path.name
     state = ServerState(client, tokenizer, name, str(model_path), args.api_key, args.max_body_bytes, domains=domains,
-                        max_choices=args.max_choices_per_request)
+                        max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key)
     app = create_app(state)
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
     try:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from redraft.server.common import ServerState
 
 OPEN_PATHS = {"/health", "/live", "/metrics"}  # liveness probes and Prometheus need no key
+ADMIN_PATHS = {"/abort_request", "/flush_cache"}  # they change what other clients get: the admin key only
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -58,7 +59,18 @@ class RedraftMiddleware:
         if self.state.api_keys and scope["path"] not in OPEN_PATHS:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not key_matches(token, self.state.api_keys):
+            if scope["path"] in ADMIN_PATHS:
+                if not self.state.admin_keys:
+                    return await _send_error(send, 403, "admin routes are disabled: start the server with "
+                                             "--admin-api-key to use them", "invalid_request_error",
+                                             "admin_disabled", echo)
+                if not key_matches(token, self.state.admin_keys):
+                    if key_matches(token, self.state.api_keys):  # a user: known, but not allowed here
+                        return await _send_error(send, 403, "this route needs the admin API key",
+                                                 "invalid_request_error", "admin_key_required", echo)
+                    return await _send_error(send, 401, "Incorrect API key provided.", "invalid_request_error",
+                                             "invalid_api_key", echo)
+            elif not key_matches(token, self.state.api_keys):
                 return await _send_error(send, 401, "Incorrect API key provided.", "invalid_request_error",
                                          "invalid_api_key", echo)
         limit = self.state.max_body_bytes

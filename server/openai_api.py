@@ -25,7 +25,16 @@ from redraft.server.common import (APIError, ChoiceStream, ServerState, merge_up
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+FINISH = {"stop": "stop", "length": "length"}  # OpenAI's values; an aborted request ends with an error instead
+
+
+def aborted(out: OutputStream) -> bool:
+    """Ended by the server (an admin's /abort_request), not by the model or the length."""
+    return (out.finish_reason or {}).get("type") == "abort"
+
+
+def aborted_error() -> APIError:
+    return APIError(503, "the request was aborted by the server", "server_error", code="request_aborted")
 RESERVED_TEMPLATE_KWARGS = frozenset({"self", "template", "messages", "tools", "add_generation_prompt"})
 
 
@@ -290,6 +299,8 @@ class ChatFormatter:
         return {"role": "assistant", "content": out.text}, finish_reason(out)
 
     def response(self, outs: list[OutputStream]) -> dict:
+        if any(aborted(o) for o in outs):
+            raise aborted_error()
         choices = []
         for i, out in enumerate(outs):
             message, reason = self._message(out)
@@ -316,6 +327,10 @@ class ChatFormatter:
                     yield sse_error(item)
                     break
                 out = c.out
+                if out.finished and aborted(out):  # cut by the server: a valid finish, then the error
+                    yield self._chunk(c.index, {"content": item} if item else {}, "stop")
+                    yield sse_error(aborted_error())
+                    break
                 if self.tools:  # tool calls are parsed once the output is whole
                     if out.finished:
                         message, reason = self._message(out)
@@ -364,6 +379,8 @@ class CompletionFormatter:
         return sum(len(p) for p in self.prompts)
 
     def response(self, outs: list[OutputStream]) -> dict:
+        if any(aborted(o) for o in outs):
+            raise aborted_error()
         choices = []
         for i, out in enumerate(outs):
             lp = completion_logprobs(self.state, out, 0, len(out.ids), 0) if self.body.logprobs is not None else None
@@ -380,6 +397,11 @@ class CompletionFormatter:
                     yield sse_error(item)
                     break
                 out = c.out
+                if out.finished and aborted(out):  # cut by the server: a valid finish, then the error
+                    yield sse(self._envelope(choices=[{"index": c.index, "text": item, "logprobs": None,
+                                                       "finish_reason": "stop"}], **extra))
+                    yield sse_error(aborted_error())
+                    break
                 lp = None
                 if self.body.logprobs is not None:
                     lp = completion_logprobs(self.state, out, c.sent_tokens, len(out.ids), 0)

@@ -1,0 +1,92 @@
+"""Hardening of `redraft serve`, each defect a real server showed, with real processes and sockets, bounded in
+time: admin routes behind their own key, and an admin-aborted OpenAI request that ends with a valid finish
+reason and an error."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from live_server import RedraftServer, assert_error_shape
+from redraft.engine.tiny import make_tiny_checkpoint
+
+KEY, ADMIN = "sk-user-123", "sk-admin-456"
+ENDLESS = {"max_tokens": 2000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("hard") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def keyed(request, ckpt: Path, tmp_path_factory) -> RedraftServer:
+    srv = RedraftServer(ckpt, tmp_path_factory.mktemp("hard-log"), ["--api-key", KEY, "--admin-api-key", ADMIN])
+    request.addfinalizer(srv.stop)
+    return srv.start()
+
+
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_admin_routes_need_the_admin_key(keyed) -> None:
+    with httpx.Client(base_url=keyed.url, timeout=30, trust_env=False) as http:
+        for path, body in (("/flush_cache", None), ("/abort_request", {"rid": "x"})):
+            assert_error_shape(http.post(path, json=body, headers=_auth(KEY)), 403)  # a user key is not enough
+            assert_error_shape(http.post(path, json=body), 401)
+            assert http.post(path, json=body, headers=_auth(ADMIN)).status_code == 200
+        # and the admin key is no user key
+        assert_error_shape(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                                     headers=_auth(ADMIN)), 401)
+
+
+def test_admin_routes_are_off_without_an_admin_key(ckpt, tmp_path) -> None:
+    srv = RedraftServer(ckpt, tmp_path, ["--api-key", KEY]).start()
+    try:
+        r = httpx.post(srv.url + "/abort_request", json={"rid": "someone-else"}, headers=_auth(KEY), timeout=30,
+                       trust_env=False)
+        assert assert_error_shape(r, 403)["code"] == "admin_disabled"
+    finally:
+        srv.stop()
+
+
+def _abort_soon(url: str, rid: str, delay: float = 1.0) -> threading.Thread:
+    def run() -> None:
+        time.sleep(delay)
+        for _ in range(50):
+            httpx.post(url + "/abort_request", json={"rid": rid}, headers=_auth(ADMIN), timeout=10, trust_env=False)
+            time.sleep(0.2)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_an_admin_abort_ends_with_a_valid_finish_and_an_error(keyed) -> None:
+    with httpx.Client(base_url=keyed.url, timeout=60, trust_env=False, headers=_auth(KEY)) as http:
+        # non-streamed: an error in OpenAI's shape, not a 200 with finish_reason "abort"
+        t = _abort_soon(keyed.url, "cut-plain-0")
+        r = http.post("/v1/completions", json={"prompt": "hi", **ENDLESS}, headers={"X-Request-Id": "cut-plain"})
+        t.join(15)
+        assert assert_error_shape(r, 503)["code"] == "request_aborted"
+        # streamed: a chunk with finish_reason "stop", then an error event, then [DONE]
+        t = _abort_soon(keyed.url, "cut-stream-0")
+        events, reasons = [], []
+        with http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "cut-stream"},
+                         json={"messages": [{"role": "user", "content": "hi"}], "stream": True, **ENDLESS}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    ev = json.loads(line[6:])
+                    events.append(ev)
+                    reasons += [c["finish_reason"] for c in ev.get("choices", []) if c.get("finish_reason")]
+                elif line == "data: [DONE]":
+                    events.append("[DONE]")
+        t.join(15)
+        assert reasons == ["stop"] and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "request_aborted"
