@@ -81,6 +81,8 @@ class ServerArgs:
         "the key of the admin routes (/abort_request, /flush_cache): with --api-key set they need it and refuse "
         "the ordinary keys (repeatable)", cli="serve", default=(), action="append")
     max_body_bytes: int = _opt("larger request bodies get 413", cli="serve", default=8 * 2**20, type=int)
+    engine_restarts: int = _opt("times a dead engine process is restarted in place before the server exits "
+                                "non-zero (for its supervisor to restart it)", cli="serve", default=3, type=int)
     max_choices_per_request: int = _opt("engine requests one HTTP request may start: /generate prompts, or "
                                         "completions prompts x n (more: 400)", cli="serve", default=256, type=int)
     domains: str = _opt("the values of the metrics' `domain` label (a request's domain outside them counts as "

@@ -25,14 +25,19 @@ class APIError(Exception):
     """An error answered with the OpenAI error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | int | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+                   code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+RETRY_AFTER = {"Retry-After": "2"}  # the engine is restarting: try again shortly
 
 
 class ServerState:
@@ -74,7 +79,7 @@ def engine_error(exc: Exception, params: dict[str, str] | None = None) -> APIErr
         type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
         param = (params or {}).get(exc.param or "", exc.param)
         return APIError(exc.status, exc.message, type_, param=param, code=exc.code)
-    return APIError(503, "the engine is not available", "server_error", code="engine_unavailable")
+    return APIError(503, "the engine is not available", "server_error", code="engine_unavailable", headers=RETRY_AFTER)
 
 
 def sse_error(exc: Exception) -> str:

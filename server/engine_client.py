@@ -1,8 +1,10 @@
-"""The HTTP process's handle on the engine process: starts it, talks to it over ZMQ, watches it die.
+"""The HTTP process's handle on the engine process: starts it, talks to it over ZMQ, watches it die, heals it.
 
 Every in-flight request has an asyncio queue that the receive loop fills with the engine's progress
 messages. If the engine process exits, every waiting request is failed at once with EngineDead and
-`alive` turns False, so routes answer 503 instead of hanging.
+`alive` turns False, so routes answer 503 (with Retry-After) instead of hanging; then the engine is started
+again in place, up to `max_restarts` times with a growing pause. If that fails too, `failed` turns True and
+the `on_fatal` callbacks run (the server then exits non-zero, so that its supervisor restarts the pod).
 """
 
 from __future__ import annotations
@@ -50,9 +52,13 @@ class _Pending:
 
 
 class EngineClient:
-    def __init__(self, args: ServerArgs, startup_timeout: float = 600.0):
+    def __init__(self, args: ServerArgs, startup_timeout: float = 600.0, max_restarts: int = 3):
         self.args = args
         self.startup_timeout = startup_timeout
+        self.max_restarts = max_restarts
+        self.failed = False  # the engine died and could not be restarted: the server should exit
+        self.restarts = 0  # engine restarts so far
+        self._ready: asyncio.Future | None = None  # set by the receive loop when a restarted engine is ready
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
         self.alive = False
@@ -67,6 +73,8 @@ class EngineClient:
         self.on_finished: list = []  # callbacks(RequestOutput) for metrics
         self.on_submit: list = []  # callbacks(rid, SamplingParams) as a request is sent (metrics: start, labels)
         self.on_message: list = []  # callbacks(Accepted | RequestOutput | Rejected) (metrics: per block timing)
+        self.on_down: list = []  # callbacks() when the engine dies (metrics: engine gauges to zero)
+        self.on_fatal: list = []  # callbacks() when it cannot be restarted (the server: exit non-zero)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -76,13 +84,7 @@ class EngineClient:
         pull.bind(self._from_engine_addr)
         self._push_sync = self._sync_ctx.socket(zmq.PUSH)
         self._push_sync.bind(self._to_engine_addr)
-        self.proc = mp.get_context("spawn").Process(
-            target=run_engine_process,
-            args=(self.args, self._to_engine_addr, self._from_engine_addr),
-            name="redraft-engine",
-            daemon=True,
-        )
-        self.proc.start()
+        self._spawn()
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if pull.poll(200):
@@ -102,6 +104,15 @@ class EngineClient:
         self._push_sync.close(linger=0)
         self._sync_ctx.term()
         self.alive = True
+
+    def _spawn(self) -> None:
+        self.proc = mp.get_context("spawn").Process(
+            target=run_engine_process,
+            args=(self.args, self._to_engine_addr, self._from_engine_addr),
+            name="redraft-engine",
+            daemon=True,
+        )
+        self.proc.start()
 
     async def connect(self) -> None:
         """Open the asyncio sockets and start the receive and watchdog loops (inside the server's loop)."""
@@ -151,8 +162,12 @@ class EngineClient:
     async def _recv_loop(self) -> None:
         while True:
             batch = await self._recv.recv_pyobj()
-            for msg in batch:
-                self._dispatch(msg)
+            # one list per engine iteration; EngineReady / EngineFailed come alone (from a restarted engine)
+            for msg in batch if isinstance(batch, list) else [batch]:
+                try:
+                    self._dispatch(msg)
+                except Exception:  # noqa: BLE001 - one bad message must not stop every request's progress
+                    log.exception("dispatching %s failed", type(msg).__name__)
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, (Accepted, RequestOutput, Rejected)):
@@ -164,6 +179,12 @@ class EngineClient:
             if isinstance(msg, RequestOutput) and msg.finished:
                 for callback in self.on_finished:
                     callback(msg)
+        elif isinstance(msg, (EngineReady, EngineFailed)):  # a restarted engine reporting in
+            if self._ready is not None and not self._ready.done():
+                if isinstance(msg, EngineReady):
+                    self._ready.set_result(msg.info)
+                else:
+                    self._ready.set_exception(RuntimeError(msg.message))
         elif isinstance(msg, (Pong, FlushCacheResult)):
             if isinstance(msg, Pong):
                 self.stats = msg.stats
@@ -178,15 +199,55 @@ class EngineClient:
                 if self.closing:
                     return
                 log.error("the engine process died (exit code %s): failing every request", self.proc.exitcode)
-                self.alive = False
-                self._dead.set()
-                for pending in self._pending.values():
-                    pending.queue.put_nowait(EngineDead("the engine process died"))
-                for waiter in self._waiters.values():
-                    if not waiter.done():
-                        waiter.set_exception(EngineDead("the engine process died"))
-                self._waiters.clear()
+                self._fail_in_flight()
+                if await self._restart():
+                    continue
+                if not self.closing:
+                    log.error("the engine could not be restarted after %d attempts: the server exits",
+                              self.max_restarts)
+                    self.failed = True
+                    for callback in self.on_fatal:
+                        callback()
                 return
+
+    def _fail_in_flight(self) -> None:
+        self.alive = False
+        self._dead.set()
+        for pending in self._pending.values():
+            pending.queue.put_nowait(EngineDead("the engine process died"))
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDead("the engine process died"))
+        self._waiters.clear()
+        for callback in self.on_down:
+            callback()
+
+    async def _restart(self) -> bool:
+        """Start a new engine process in place (growing pauses between attempts). True once one is ready."""
+        for attempt in range(1, self.max_restarts + 1):
+            pause = min(2.0 ** (attempt - 1), 10.0)
+            log.warning("restarting the engine in %.0fs (attempt %d of %d)", pause, attempt, self.max_restarts)
+            await asyncio.sleep(pause)
+            if self.closing:
+                return False
+            self._ready = asyncio.get_running_loop().create_future()
+            self._spawn()
+            deadline = time.monotonic() + self.startup_timeout
+            while not self._ready.done() and self.proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.wait({self._ready}, timeout=0.2)
+            if self._ready.done() and self._ready.exception() is None:
+                self.info = self._ready.result()
+                self.restarts += 1
+                self._dead.clear()
+                self.alive = True
+                log.warning("the engine is back (restart %d)", self.restarts)
+                return True
+            if self._ready.done():
+                log.error("the restarted engine failed to start: %s", self._ready.exception())
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+        return False
 
     # ---- requests -----------------------------------------------------------------------------------
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams

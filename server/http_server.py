@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.engine.output_stream import OutputStream
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
-from redraft.server.common import (APIError, ChoiceStream, ServerState, engine_error, error_response, run_all,
-                                   run_until_disconnect, sse, sse_error, start_streams)
+from redraft.server.common import (RETRY_AFTER, APIError, ChoiceStream, ServerState, engine_error, error_response,
+                                   run_all, run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.engine_client import EngineDead
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.middleware import install_middleware
@@ -77,7 +77,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
@@ -101,12 +101,16 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             await state.client.ping(timeout=5.0)
         except (EngineDead, asyncio.TimeoutError):
-            return error_response(503, "the engine is not responding", "server_error", code="engine_unavailable")
+            return error_response(503, "the engine is not responding", "server_error", code="engine_unavailable",
+                                  headers=RETRY_AFTER)
         return Response(status_code=200)
 
     @app.get("/live")
     async def live():
-        """Liveness: the HTTP process answers (no engine round trip; /health checks the engine)."""
+        """Liveness: the HTTP process answers and its engine is running or being restarted (no engine round trip;
+        /health checks the engine). 503 once the engine could not be restarted (the server is exiting)."""
+        if state.client.failed:
+            return error_response(503, "the engine could not be restarted", "server_error", code="engine_failed")
         return Response(status_code=200)
 
     @app.get("/get_server_info")

@@ -30,7 +30,7 @@ def serve(args: ServerArgs) -> int:
     args = args.replace(model_path=str(model_path))
     tokenizer = Tokenizer.from_pretrained(model_path)
     log.info("starting the engine process for %s", model_path)
-    client = EngineClient(args)
+    client = EngineClient(args, max_restarts=args.engine_restarts)
     client.start()
     info = client.info
     log.info(
@@ -42,9 +42,15 @@ def serve(args: ServerArgs) -> int:
                         max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key)
     app = create_app(state)
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                           timeout_graceful_shutdown=5))
+    client.on_fatal.append(lambda: setattr(server, "should_exit", True))  # the engine is gone for good
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+        server.run()
     finally:
         if client.proc is not None and client.proc.is_alive():
             client.proc.kill()
+    if client.failed:
+        log.error("exiting: the engine process died and could not be restarted")
+        return 1
     return 0

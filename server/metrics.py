@@ -187,6 +187,8 @@ class ServerMetrics:
         self._client = client
         client.on_submit.append(self.on_submit)
         client.on_message.append(self.on_message)
+        if hasattr(client, "on_down"):
+            client.on_down.append(self.set_engine_down)
 
     def domain_label(self, domain: str | None) -> str:
         d = (domain or "").strip().lower()
@@ -306,7 +308,13 @@ class ServerMetrics:
         self.max_queued_requests.labels(m).set(info.get("max_queued_requests") or 0)
 
     def set_engine_down(self) -> None:
-        self.engine_up.labels(self.model_name).set(0)
+        """The engine is gone: nothing runs, nothing waits, no page is in use (no stale values while it is
+        down; the next scrape after a restart reads the new engine's)."""
+        m = self.model_name
+        self.engine_up.labels(m).set(0)
+        for gauge in (self.num_running_reqs, self.num_queue_reqs, self.num_used_tokens, self.token_usage,
+                      self.cached_tokens):
+            gauge.labels(m).set(0)
 
     # ---- exposition ----------------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -90,3 +90,52 @@ def test_an_admin_abort_ends_with_a_valid_finish_and_an_error(keyed) -> None:
         t.join(15)
         assert reasons == ["stop"] and events[-1] == "[DONE]"
         assert events[-2]["error"]["code"] == "request_aborted"
+
+
+# ---- a dead engine heals ---------------------------------------------------------------------------------------
+def test_a_killed_engine_is_restarted_in_place(ckpt, tmp_path) -> None:
+    import os
+    import signal
+
+    srv = RedraftServer(ckpt, tmp_path, []).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30, trust_env=False) as http:
+            body = {"input_ids": [20, 21, 22], "sampling_params": {"max_new_tokens": 4}}
+            assert http.post("/generate", json=body).status_code == 200
+            first = srv.engine_pid()
+            os.kill(first, signal.SIGKILL)
+            time.sleep(0.5)
+            down = http.post("/generate", json=body)
+            assert assert_error_shape(down, 503)["code"] == "engine_unavailable"
+            assert down.headers.get("retry-after") == "2"
+            assert http.get("/live").status_code == 200, "the process heals itself: liveness stays up"
+            metrics = http.get("/metrics").text
+            assert "sglang:num_running_reqs{" in metrics and 'redraft:engine_up{model_name="tiny"} 0.0' in metrics
+            deadline = time.monotonic() + 90
+            while http.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, "the engine did not come back"
+                time.sleep(0.3)
+            assert srv.engine_pid() != first
+            again = http.post("/generate", json=body)
+            assert again.status_code == 200 and again.json()["output_ids"]
+            assert 'redraft:engine_up{model_name="tiny"} 1.0' in http.get("/metrics").text
+    finally:
+        srv.stop()
+
+
+def test_an_engine_that_cannot_restart_makes_the_server_exit_non_zero(ckpt, tmp_path) -> None:
+    import os
+    import shutil
+    import signal
+
+    model = tmp_path / "model"
+    shutil.copytree(ckpt, model)
+    srv = RedraftServer(model, tmp_path, ["--engine-restarts", "2"]).start()
+    try:
+        (model / "config.json").unlink()  # every restart now fails to load the checkpoint
+        os.kill(srv.engine_pid(), signal.SIGKILL)
+        code = srv.proc.wait(60)  # pauses of 1 s and 2 s, two failed starts, then exit
+        assert code == 1, srv.log_tail()
+        assert "could not be restarted" in srv.log_tail()
+    finally:
+        srv.stop(check=False)
