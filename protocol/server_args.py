@@ -81,6 +81,8 @@ class ServerArgs:
         "the key of the admin routes (/abort_request, /flush_cache): with --api-key set they need it and refuse "
         "the ordinary keys (repeatable)", cli="serve", default=(), action="append")
     max_body_bytes: int = _opt("larger request bodies get 413", cli="serve", default=8 * 2**20, type=int)
+    shutdown_timeout: float = _opt("on SIGTERM/SIGINT: seconds running requests get to finish (new ones get 503) "
+                                    "before the rest are ended with a 503", cli="serve", default=30.0, type=float)
     engine_restarts: int = _opt("times a dead engine process is restarted in place before the server exits "
                                 "non-zero (for its supervisor to restart it)", cli="serve", default=3, type=int)
     max_choices_per_request: int = _opt("engine requests one HTTP request may start: /generate prompts, or "

@@ -17,7 +17,7 @@ from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.messages import Accepted, RequestOutput
 from redraft.protocol.sampling_params import SamplingParams
-from redraft.server.engine_client import EngineClient, EngineDead, EngineRejected
+from redraft.server.engine_client import EngineClient, EngineDead, EngineRejected, ServerDraining
 from redraft.server.metrics import ServerMetrics
 
 
@@ -55,6 +55,7 @@ class ServerState:
         self.admin_keys = admin_keys
         self.max_body_bytes = max_body_bytes
         self.max_choices = max_choices  # engine requests one HTTP request may start
+        self.draining = False  # shutting down: no new requests; running ones get --shutdown-timeout to finish
         self.metrics = ServerMetrics(model_name, domains)  # domains: the `domain` label's values (else "other")
         self.metrics.attach(client)
 
@@ -79,6 +80,8 @@ def engine_error(exc: Exception, params: dict[str, str] | None = None) -> APIErr
         type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
         param = (params or {}).get(exc.param or "", exc.param)
         return APIError(exc.status, exc.message, type_, param=param, code=exc.code)
+    if isinstance(exc, ServerDraining):
+        return APIError(503, "the server is shutting down", "server_error", code="shutting_down", headers=RETRY_AFTER)
     return APIError(503, "the engine is not available", "server_error", code="engine_unavailable", headers=RETRY_AFTER)
 
 

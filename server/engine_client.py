@@ -37,6 +37,10 @@ class EngineDead(RuntimeError):
     """The engine process is gone."""
 
 
+class ServerDraining(EngineDead):
+    """The server is shutting down and its drain time is over: the request is ended (503)."""
+
+
 class EngineRejected(Exception):
     """The engine refused the request at admission (see protocol.messages.Rejected)."""
 
@@ -221,6 +225,17 @@ class EngineClient:
         self._waiters.clear()
         for callback in self.on_down:
             callback()
+
+    async def end_in_flight(self, reason: Exception) -> int:
+        """End every request still in flight with `reason` (their routes answer with it) and abort them in the
+        engine. Returns how many there were."""
+        rids = list(self._pending)
+        for rid in rids:
+            pending = self._pending.get(rid)
+            if pending is not None:
+                pending.queue.put_nowait(reason)
+            await self.abort(rid)
+        return len(rids)
 
     async def _restart(self) -> bool:
         """Start a new engine process in place (growing pauses between attempts). True once one is ready."""

@@ -98,6 +98,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.draining:  # load balancers: stop sending here
+            return error_response(503, "the server is shutting down", "server_error", code="shutting_down")
         try:
             await state.client.ping(timeout=5.0)
         except (EngineDead, asyncio.TimeoutError):

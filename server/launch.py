@@ -6,8 +6,11 @@ does not stop in time). The engine process also exits by itself if this process 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -15,11 +18,44 @@ from redraft.engine.defaults import default_model_path
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.server_args import ServerArgs
 from redraft.server.common import ServerState
-from redraft.server.engine_client import EngineClient
+from redraft.server.engine_client import EngineClient, ServerDraining
 from redraft.server.http_server import create_app
 from redraft.server.metrics import parse_domains
 
 log = logging.getLogger("redraft.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before it stops: the first SIGTERM/SIGINT stops admitting (503 in OpenAI's shape,
+    /health 503), lets running requests finish for up to `drain_timeout` seconds, ends the rest with a 503 (or
+    an SSE error event), then lets uvicorn shut down. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
+        super().__init__(config)
+        self.state, self.drain_timeout = state, drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or self._loop is None:
+            return super().handle_exit(sig, frame)
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        client = self.state.client
+        log.info("draining: %d requests in flight, up to %.0fs to finish", client.num_in_flight, self.drain_timeout)
+        deadline = time.monotonic() + self.drain_timeout
+        while client.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        ended = await client.end_in_flight(ServerDraining("the server is shutting down"))
+        if ended:
+            log.warning("drain time over: ended %d requests with 503", ended)
+            await asyncio.sleep(0.5)  # their handlers write the error responses
+        self.should_exit = True
 
 
 def serve(args: ServerArgs) -> int:
@@ -42,8 +78,9 @@ def serve(args: ServerArgs) -> int:
                         max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key)
     app = create_app(state)
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                           timeout_graceful_shutdown=5))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=5)
+    server = DrainingServer(config, state, args.shutdown_timeout)
     client.on_fatal.append(lambda: setattr(server, "should_exit", True))  # the engine is gone for good
     try:
         server.run()

@@ -73,6 +73,9 @@ class RedraftMiddleware:
             elif not key_matches(token, self.state.api_keys):
                 return await _send_error(send, 401, "Incorrect API key provided.", "invalid_request_error",
                                          "invalid_api_key", echo)
+        if self.state.draining and scope["path"] not in OPEN_PATHS:
+            return await _send_error(send, 503, "the server is shutting down", "server_error", "shutting_down",
+                                     [*echo, (b"retry-after", b"2")])
         limit = self.state.max_body_bytes
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:

@@ -139,3 +139,53 @@ def test_an_engine_that_cannot_restart_makes_the_server_exit_non_zero(ckpt, tmp_
         assert "could not be restarted" in srv.log_tail()
     finally:
         srv.stop(check=False)
+
+
+# ---- graceful drain --------------------------------------------------------------------------------------------
+def test_sigterm_drains_then_ends_the_rest_in_openai_shape(ckpt, tmp_path) -> None:
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv = RedraftServer(ckpt, tmp_path, ["--shutdown-timeout", "3"]).start()
+    url = srv.url
+
+    def plain(max_tokens: int) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True},
+                          timeout=60, trust_env=False)
+
+    def streamed() -> list:
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, trust_env=False,
+                          json={"prompt": "hi", "stream": True, **ENDLESS}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+        return events
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            long_plain = pool.submit(plain, 2000)
+            long_stream = pool.submit(streamed)
+            time.sleep(1.0)  # both running
+            short = pool.submit(plain, 40)
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            try:
+                late = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10,
+                                  trust_env=False)
+                assert assert_error_shape(late, 503)["code"] == "shutting_down"  # admitted no more
+            except httpx.TransportError:
+                pass  # or the listener is already closed: refused, never a 5xx text page
+            assert short.result(30).status_code == 200, "a request that fits the drain time finishes"
+            cut = long_plain.result(30)
+            assert assert_error_shape(cut, 503)["code"] == "shutting_down"
+            events = long_stream.result(30)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down"
+        code = srv.proc.wait(30)
+        assert time.monotonic() - t0 < 15
+        assert code in (0, -signal.SIGTERM), srv.log_tail()
+        assert "leaked semaphore" not in srv.log_tail()
+    finally:
+        srv.stop()
