@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -80,13 +82,30 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_RENDER = threading.local()  # the deadline of the rendering running on this thread (render_chat_template)
+RENDER_TIMEOUT_S = 5.0
+RENDER_MAX_CHARS = 16 * 2**20  # a chat prompt longer than this is a runaway template, not a conversation
+
+
+class RenderBudgetExceeded(Exception):
+    pass
+
+
 class _StrictSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """Jinja's sandbox turns an unsafe attribute (`''.__class__`) into an Undefined that prints as ''; we fail
-    loudly instead, so a hostile or broken template is reported rather than silently half-rendered."""
+    loudly instead, so a hostile or broken template is reported rather than silently half-rendered. Every call
+    a template makes (`range`, filters, methods: any loop needs one) also checks the rendering's deadline, so a
+    template with a runaway loop ends with an error instead of holding a thread forever."""
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise jinja2.exceptions.SecurityError(
             f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        deadline = getattr(_RENDER, "deadline", None)
+        if deadline is not None and time.monotonic() > deadline:
+            raise RenderBudgetExceeded()
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 def _make_jinja_env() -> _StrictSandbox:
@@ -118,13 +137,25 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 def render_chat_template(template: str | jinja2.Template, messages: Sequence[Mapping[str, Any]],
                          tools: Sequence[Mapping[str, Any]] | None = None,
-                         add_generation_prompt: bool = True, **extra: Any) -> str:
+                         add_generation_prompt: bool = True, *, timeout: float = RENDER_TIMEOUT_S,
+                         **extra: Any) -> str:
     """Render a chat template with the variables HF templates expect (messages, tools, add_generation_prompt,
-    special-token strings passed in `extra`)."""
+    special-token strings passed in `extra`), within `timeout` seconds and RENDER_MAX_CHARS characters."""
     compiled = compile_chat_template(template) if isinstance(template, str) else template
+    deadline = time.monotonic() + timeout
+    _RENDER.deadline = deadline
     try:
-        return compiled.render(messages=list(messages), tools=list(tools) if tools else None,
-                               add_generation_prompt=add_generation_prompt, **extra)
+        parts, size = [], 0
+        for piece in compiled.generate(messages=list(messages), tools=list(tools) if tools else None,
+                                       add_generation_prompt=add_generation_prompt, **extra):
+            parts.append(piece)
+            size += len(piece)
+            if size > RENDER_MAX_CHARS or time.monotonic() > deadline:
+                raise RenderBudgetExceeded()
+        return "".join(parts)
+    except RenderBudgetExceeded:
+        raise ChatTemplateError(f"the chat template took longer than {timeout:.0f}s or produced more than "
+                                f"{RENDER_MAX_CHARS} characters") from None
     except jinja2.exceptions.SecurityError as exc:
         raise ChatTemplateError(f"chat template attempted an unsafe operation: {exc}") from exc
     except jinja2.exceptions.TemplateError as exc:
@@ -133,6 +164,8 @@ def render_chat_template(template: str | jinja2.Template, messages: Sequence[Map
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
         # Malformed messages (e.g. content of an unexpected type) fail inside template expressions.
         raise ChatTemplateError(f"chat template could not format the messages: {type(exc).__name__}: {exc}") from exc
+    finally:
+        _RENDER.deadline = None
 
 
 class Tokenizer:

@@ -56,8 +56,28 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.max_choices = max_choices  # engine requests one HTTP request may start
         self.draining = False  # shutting down: no new requests; running ones get --shutdown-timeout to finish
+        self._max_token_bytes: int | None = None
         self.metrics = ServerMetrics(model_name, domains)  # domains: the `domain` label's values (else "other")
         self.metrics.attach(client)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this fits the context: max_model_len x the most bytes one token stands for (a
+        character is at least a byte). Longer text is refused before it is tokenized."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
+        return self.max_model_len * max(1, self._max_token_bytes)
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"the prompt text has {chars} characters; no text longer than {self.max_prompt_chars} "
+                                f"characters fits this model's context of {self.max_model_len} tokens",
+                           param=param, code="context_length_exceeded")
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Tokenize off the event loop, after the length check."""
+        self.check_text_length(len(text), param)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
 
     @property
     def model_names(self) -> list[str]:

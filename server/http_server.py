@@ -147,7 +147,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
-        prompts = _native_prompts(state, body)
+        prompts = await _native_prompts(state, body)
         try:
             params = SamplingParams.from_dict(body.sampling_params or {})
         except SamplingParamsError as exc:
@@ -189,12 +189,14 @@ def _is_batch_ids(ids: Any) -> bool:
     return bool(ids) and isinstance(ids[0], list)
 
 
-def _native_prompts(state: ServerState, body: GenerateBody) -> list[list[int]]:
+async def _native_prompts(state: ServerState, body: GenerateBody) -> list[list[int]]:
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "give exactly one of text or input_ids", param="text")
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
-        prompts = [state.tokenizer.encode(t) for t in texts]
+        if len(texts) > state.max_choices:
+            raise APIError(400, f"at most {state.max_choices} prompts per request", param="text")
+        prompts = [await state.encode(t, "text") for t in texts]
     else:
         prompts = body.input_ids if _is_batch_ids(body.input_ids) else [body.input_ids]  # type: ignore[list-item]
     if not prompts:  # an empty batch; an empty prompt is the engine's to refuse

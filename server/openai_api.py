@@ -214,8 +214,10 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:  # would collide with apply_chat_template's own arguments (a TypeError, i.e. a 500)
             raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
-        try:  # message text is tokenized as plain text: only the template's markup makes special tokens
-            ids = state.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True, **template_kwargs)
+        state.check_text_length(_text_chars(messages) + _text_chars(tools), "messages")
+        try:  # message text is tokenized as plain text: only the template's markup makes special tokens; off the loop
+            ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages, tools=tools,
+                                          add_generation_prompt=True, **template_kwargs)
         except ChatTemplateError as exc:
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
         top = body.top_logprobs or 0
@@ -232,7 +234,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         check_model(state, body.model)
         validate(body)
         rid = request.state.request_id
-        prompts = _completion_prompts(state, body.prompt)
+        prompts = await _completion_prompts(state, body.prompt)
         top = body.logprobs or 0
         params, all_prompts = [], []
         for ids in prompts:
@@ -271,12 +273,24 @@ def _json_or_raw(args: str | dict) -> Any:
         return args
 
 
-def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
-    """Token ids of each prompt (text is tokenized here; ids are checked by the engine at admission)."""
+def _text_chars(value: Any) -> int:
+    """Characters of every string in a JSON-like value (messages, tools)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
+async def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """Token ids of each prompt (text is tokenized here, off the event loop; ids are checked by the engine at
+    admission)."""
     if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt)]
+        return [await state.encode(prompt, "prompt")]
     if prompt and isinstance(prompt[0], str):
-        return [state.tokenizer.encode(p) for p in prompt]
+        return [await state.encode(p, "prompt") for p in prompt]
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(p) for p in prompt]

@@ -189,3 +189,56 @@ def test_sigterm_drains_then_ends_the_rest_in_openai_shape(ckpt, tmp_path) -> No
         assert "leaked semaphore" not in srv.log_tail()
     finally:
         srv.stop()
+
+
+# ---- the event loop stays free ---------------------------------------------------------------------------------
+def _live_latency(url: str, stop: threading.Event, out: list[float]) -> None:
+    with httpx.Client(timeout=10, trust_env=False) as c:
+        while not stop.is_set():
+            t = time.monotonic()
+            c.get(url + "/live")
+            out.append(time.monotonic() - t)
+            time.sleep(0.05)
+
+
+SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_huge_prompts_and_slow_templates_never_block_the_loop(ckpt, tmp_path) -> None:
+    import shutil
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tmp_path / "model"
+    shutil.copytree(ckpt, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": SLOW_TEMPLATE}))
+    srv = RedraftServer(model, tmp_path, ["--max-body-bytes", str(16 * 2**20)]).start()
+    stop, lat = threading.Event(), []
+    watcher = threading.Thread(target=_live_latency, args=(srv.url, stop, lat), daemon=True)
+    try:
+        watcher.start()
+        with ThreadPoolExecutor(4) as pool:
+            huge = [pool.submit(httpx.post, srv.url + "/v1/completions", timeout=60, trust_env=False,
+                                json={"prompt": "word " * 1_400_000, "max_tokens": 1}) for _ in range(2)]
+            slow = pool.submit(httpx.post, srv.url + "/v1/chat/completions", timeout=60, trust_env=False,
+                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+            for f in huge:  # 7 million characters: refused before tokenizing
+                assert assert_error_shape(f.result(30), 400)["code"] == "context_length_exceeded"
+            t0 = time.monotonic()
+            assert "took longer" in assert_error_shape(slow.result(30), 400)["message"]
+            assert time.monotonic() - t0 < 10
+        stop.set()
+        watcher.join(10)
+        assert lat and max(lat) < 0.5, f"/live took up to {max(lat):.2f}s"
+        # and a slow template in flight does not keep SIGTERM from stopping the server
+        pool = ThreadPoolExecutor(1)
+        pool.submit(httpx.post, srv.url + "/v1/chat/completions", timeout=60, trust_env=False,
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        time.sleep(0.5)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(20) in (0, -signal.SIGTERM)
+        pool.shutdown(wait=False)
+    finally:
+        stop.set()
+        srv.stop(check=False)
