@@ -42,9 +42,10 @@ def run_engine_process(args: ServerArgs, recv_addr: str, send_addr: str) -> None
         from redraft.engine.core import EngineCore
 
         core = EngineCore(args.replace(progress=False))
-    except Exception as exc:  # report why, then die: the HTTP process exits with the message
-        log.exception("engine failed to start")
+    except Exception as exc:  # report why (once: the HTTP process prints it), then die
+        log.debug("engine failed to start", exc_info=True)
         send.send_pyobj(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        ctx.destroy(linger=1000)
         return
     send.send_pyobj(EngineReady(info=core.info()))
     log.info("engine ready: %s", core.model_path)

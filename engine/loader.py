@@ -145,6 +145,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
+        pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+        if pickles:
+            raise CheckpointError(f"{model_dir} holds only pickle weights ({', '.join(pickles[:3])}): redraft loads "
+                                  "safetensors only (a pickle can run code when loaded); convert them first, e.g. "
+                                  "safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors')")
         raise CheckpointError(f"no *.safetensors in {model_dir}")
     return files
 
@@ -180,7 +185,11 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
     total = sum(not n.endswith(SCALE_SUFFIX) for n in targets)
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error type is not importable everywhere
+            raise CheckpointError(f"{path.name} is not a valid safetensors file ({exc})") from None
+        with handle as f:
             for name in f.keys():
                 target = targets.get(name)
                 if target is None:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:  # one clear line, no traceback
         print(f"redraft: error: {exc}", file=sys.stderr)
         return 2
 

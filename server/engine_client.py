@@ -82,7 +82,19 @@ class EngineClient:
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Spawn the engine process and wait (blocking) until it has loaded the model."""
+        """Spawn the engine process and wait (blocking) until it has loaded the model; on failure nothing is left
+        behind (process, sockets, the socket folder) and RuntimeError says why in one line."""
+        try:
+            self._start()
+        except BaseException:
+            if self.proc is not None and self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            self._sync_ctx.destroy(linger=0)
+            self._remove_ipc_dir()
+            raise
+
+    def _start(self) -> None:
         self._sync_ctx = zmq.Context()
         pull = self._sync_ctx.socket(zmq.PULL)
         pull.bind(self._from_engine_addr)
@@ -148,6 +160,9 @@ class EngineClient:
             task.cancel()
         if hasattr(self, "_ctx"):
             self._ctx.destroy(linger=0)
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
         for name in ("to-engine", "from-engine"):
             try:
                 os.unlink(os.path.join(self._ipc_dir, name))

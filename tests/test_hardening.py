@@ -242,3 +242,35 @@ def test_huge_prompts_and_slow_templates_never_block_the_loop(ckpt, tmp_path) ->
     finally:
         stop.set()
         srv.stop(check=False)
+
+
+# ---- start failures: one clear line, nothing left behind ----------------------------------------------------
+def test_start_failures_print_one_line_and_leave_nothing(ckpt, tmp_path) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "pickled"
+    shutil.copytree(ckpt, model)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "OMP_NUM_THREADS": "1"}
+    for cmd in (["serve", "--port", "0"], ["generate", "hi"]):
+        res = subprocess.run([sys.executable, "-m", "redraft", *cmd, "--model", str(model)], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert res.returncode == 2, res.stderr
+        assert "Traceback" not in res.stderr, res.stderr
+        assert [ln for ln in res.stderr.splitlines() if ln.startswith("redraft: error:")] == \
+            [ln for ln in res.stderr.splitlines() if "error" in ln.lower()], res.stderr
+        assert "pickle" in res.stderr and "safetensors" in res.stderr
+        assert not list(scratch.glob("redraft-*")), "the socket folder was left behind"
+    (model / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    res = subprocess.run([sys.executable, "-m", "redraft", "generate", "hi", "--model", str(model)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "not a valid safetensors file" in res.stderr
