@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from redraft.engine.config import ModelConfig
-from redraft.engine.defaults import default_model_path
+from redraft.engine.defaults import resolve_model_path
 from redraft.engine.loader import load_model, resolve_dtype
 from redraft.engine.model_runner import ModelRunner
 from redraft.engine.tokenizer import Tokenizer
@@ -72,9 +72,7 @@ class EngineCore:
             raise ValueError(f"device={args.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
         if args.cpu_threads:
             torch.set_num_threads(args.cpu_threads)
-        path = Path(args.model_path) if args.model_path else default_model_path()
-        if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist")
+        path = resolve_model_path(args.model_path, args.revision)
         self.model_path = path
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)

@@ -34,8 +34,10 @@ def _opt(help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (), c
 @dataclass(frozen=True)
 class ServerArgs:
     # ---- model ---------------------------------------------------------------------------------------
-    model_path: str | None = _opt("checkpoint directory (Hugging Face layout); default: the bundled demo model",
-                                  flag="--model", aliases=("--model-path",))
+    model_path: str | None = _opt("checkpoint directory (Hugging Face layout) or a Hugging Face repo id such as "
+                                  "inclusionAI/LLaDA2.1-mini (its cache first; HF_HUB_OFFLINE=1: the cache only); "
+                                  "default: the bundled demo model", flag="--model", aliases=("--model-path",))
+    revision: str | None = _opt("branch, tag or commit of a hub model")
     device: str = _opt("cpu or cuda", choices=("cpu", "cuda"), default="cpu")
     dtype: str | None = _opt("float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
     kernel_backend: str = _opt("attention and MoE kernels: plain torch, or Triton (interpreted on CPU)",

@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from redraft.engine.defaults import default_model_path
+from redraft.engine.defaults import resolve_model_path
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.server_args import ServerArgs
 from redraft.server.common import ServerState
@@ -60,9 +60,12 @@ class DrainingServer(uvicorn.Server):
 
 def serve(args: ServerArgs) -> int:
     domains = parse_domains(args.domains)  # before the engine starts: a bad flag fails at once
-    model_path = Path(args.model_path) if args.model_path else default_model_path()
+    model_path = resolve_model_path(args.model_path, args.revision)  # a hub id is fetched (or found) here, once
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint (config.json) in {model_path}")
+    # the name clients use: the repo id for a hub model (its snapshot folder is a commit hash), else the folder's
+    hub_id = args.model_path is not None and not Path(args.model_path).expanduser().is_dir()
+    name = args.served_model_name or (args.model_path if hub_id else model_path.name)
     args = args.replace(model_path=str(model_path))
     tokenizer = Tokenizer.from_pretrained(model_path)
     log.info("starting the engine process for %s", model_path)
@@ -73,7 +76,6 @@ def serve(args: ServerArgs) -> int:
         "engine ready: %.1fM params, %s on %s, KV cache %d tokens, context %d",
         info["num_params"] / 1e6, info["dtype"], info["device"], info["max_total_tokens"], info["max_model_len"],
     )
-    name = args.served_model_name or model_path.name
     state = ServerState(client, tokenizer, name, str(model_path), args.api_key, args.max_body_bytes, domains=domains,
                         max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key)
     app = create_app(state)

@@ -274,3 +274,62 @@ def test_start_failures_print_one_line_and_leave_nothing(ckpt, tmp_path) -> None
     res = subprocess.run([sys.executable, "-m", "redraft", "generate", "hi", "--model", str(model)],
                          capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2 and "Traceback" not in res.stderr and "not a valid safetensors file" in res.stderr
+
+
+# ---- Hugging Face repo ids -------------------------------------------------------------------------------------
+def _hub_cache(root: Path, repo: str, refs: dict[str, Path]) -> Path:
+    """A cache laid out the way huggingface_hub lays it out: models--org--name/{refs,snapshots,blobs}."""
+    import hashlib
+    import shutil
+
+    base = root / ("models--" + repo.replace("/", "--"))
+    for ref, source in refs.items():
+        commit = hashlib.sha1(f"{repo}@{ref}".encode()).hexdigest()
+        (base / "refs").mkdir(parents=True, exist_ok=True)
+        (base / "refs" / ref).write_text(commit)
+        snap = base / "snapshots" / commit
+        snap.mkdir(parents=True)
+        for f in source.iterdir():
+            blob = base / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+            blob.parent.mkdir(exist_ok=True)
+            shutil.copyfile(f, blob)
+            (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
+    return root
+
+
+def test_hub_repo_ids_resolve_from_the_cache_offline(ckpt, tmp_path, monkeypatch) -> None:
+    import redraft
+    from redraft.engine.defaults import resolve_model_path
+
+    other = make_tiny_checkpoint(tmp_path / "other", seed=5)
+    cache = _hub_cache(tmp_path / "hub", "inclusionAI/LLaDA2.1-tiny", {"main": ckpt, "v2": other})
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    main = resolve_model_path("inclusionAI/LLaDA2.1-tiny")
+    assert (main / "config.json").read_text() == (ckpt / "config.json").read_text()
+    v2 = resolve_model_path("inclusionAI/LLaDA2.1-tiny", revision="v2")
+    assert (v2 / "model.safetensors").read_bytes() == (other / "model.safetensors").read_bytes() and v2 != main
+    with pytest.raises(FileNotFoundError, match="cache"):
+        resolve_model_path("inclusionAI/not-there")
+    engine = redraft.Engine(model_path="inclusionAI/LLaDA2.1-tiny", progress=False)
+    try:
+        assert engine.generate(input_ids=[20, 21], sampling_params={"max_new_tokens": 4})["output_ids"]
+    finally:
+        engine.shutdown()
+    # a local directory of the same name wins
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / "inclusionAI" / "LLaDA2.1-tiny"
+    local.parent.mkdir()
+    local.symlink_to(other)
+    assert resolve_model_path("inclusionAI/LLaDA2.1-tiny") == Path("inclusionAI/LLaDA2.1-tiny")
+
+
+def test_serve_takes_a_hub_repo_id(ckpt, tmp_path) -> None:
+    cache = _hub_cache(tmp_path / "hub", "inclusionAI/LLaDA2.1-tiny", {"main": ckpt})
+    srv = RedraftServer(None, tmp_path, ["--model", "inclusionAI/LLaDA2.1-tiny"],
+                        env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}).start()
+    try:
+        models = httpx.get(srv.url + "/v1/models", timeout=30, trust_env=False).json()
+        assert models["data"][0]["id"] == "inclusionAI/LLaDA2.1-tiny"
+    finally:
+        srv.stop()
