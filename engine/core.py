@@ -240,6 +240,70 @@ class EngineCore:
             meta["edit_trace"] = [list(e) for e in req.edit_trace]
         return meta
 
+    # ---- likelihoods (engine/likelihood.py) ----------------------------------------------------------
+    def score_variants(self, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
+                       max_tokens: int | None = None) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        """Run masked variants of blocks (likelihood.Variant: block k of a sequence, some positions masked,
+        attending the clean blocks before it and itself) and read log-probabilities at their targets. The clean
+        prefixes come from the radix cache where it has them, are computed block-causally (and cached) where
+        not; each variant writes its own K/V to a scratch page, freed after. Runs between decode iterations.
+        RequestRejected (503) when the KV cache cannot hold the work now."""
+        from redraft.engine.likelihood import Variant  # noqa: F401 - the type of `variants`
+
+        b, mask = BLOCK_SIZE, self.tokenizer.mask_token_id
+        vocab = self.model_config.vocab_size
+        for seq in sequences:
+            if not seq or any(not isinstance(t, int) or not 0 <= t < vocab for t in seq):
+                raise RequestRejected(f"token ids must be in [0, {vocab}) and the text non-empty", param="input_ids")
+            if len(seq) > self.max_model_len:
+                raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens; the text "
+                                      f"has {len(seq)}", code="context_length_exceeded", param="input_ids")
+        need = [max((v.block for v in variants if v.seq == i), default=0) for i in range(len(sequences))]
+        sched = self.scheduler
+        leases = []
+        try:
+            for seq, k in zip(sequences, need):
+                lease = sched.lease_prefix(seq[: k * b])
+                if lease is None:
+                    raise RequestRejected("the KV cache is full: try again", status=503, code="cache_full")
+                leases.append(lease)
+            # 1) the clean prefixes the cache did not have: block-causal prefill (their K/V then enter the tree)
+            todo = [(seq[lease.cached * b : len(lease.tokens)], lease.cached * b, lease.pages)
+                    for seq, lease in zip(sequences, leases) if len(lease.tokens) > lease.cached * b]
+            budget = max_tokens or self.args.chunked_prefill_size
+            for chunk in _chunks(todo, budget, lambda q: len(q[0])):
+                self.runner.query_logprobs(chunk, [[] for _ in chunk])
+            # 2) the variants, each on a scratch page of its own
+            results: list = [None] * len(variants)
+            order = list(range(len(variants)))
+            for chunk in _chunks(order, budget, lambda i: b):
+                pages = sched.alloc_scratch(len(chunk))
+                if pages is None:
+                    raise RequestRejected("the KV cache is full: try again", status=503, code="cache_full")
+                try:
+                    queries, reads = [], []
+                    for i, page in zip(chunk, pages):
+                        v = variants[i]
+                        seq, start = sequences[v.seq], v.block * b
+                        ids = seq[start : start + b]
+                        masked = set(v.masked)
+                        # a whole block, past the text's end padded with MASK (as a block being decoded is), so a
+                        # value never depends on what follows
+                        ids = [mask if start + j in masked else t for j, t in enumerate(ids)] + [mask] * (b - len(ids))
+                        queries.append((ids, start, leases[v.seq].pages[: v.block] + [page]))
+                        reads.append([(p - start, seq[p]) for p in v.targets])
+                    for i, row in zip(chunk, self.runner.query_logprobs(queries, reads, top_k)):
+                        results[i] = row
+                finally:
+                    sched.free_scratch(pages)
+            for lease in leases:
+                sched.release_prefix(lease, computed=True)
+            leases = []
+            return results
+        finally:
+            for lease in leases:
+                sched.release_prefix(lease, computed=False)
+
     # ---- service -------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
@@ -278,3 +342,17 @@ def _with_seed(params: Any, seed: int) -> Any:
     from dataclasses import replace
 
     return replace(params, seed=seed)
+
+
+def _chunks(items: list, budget: int, cost: Any) -> list[list]:
+    """Consecutive groups of `items` whose summed cost stays within `budget` (at least one item each)."""
+    out: list[list] = [[]]
+    used = 0
+    for item in items:
+        c = cost(item)
+        if out[-1] and used + c > budget:
+            out.append([])
+            used = 0
+        out[-1].append(item)
+        used += c
+    return [g for g in out if g]

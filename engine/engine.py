@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from redraft.engine.core import EngineCore
 from redraft.engine.output_stream import OutputStream
-from redraft.protocol.sampling_params import SamplingParams
+from redraft.protocol.sampling_params import BLOCK_SIZE, SamplingParams
 from redraft.protocol.server_args import ServerArgs
 
 
@@ -76,6 +76,34 @@ class Engine:
         streams = self._run(id_lists, params)
         outs = [{"text": s.text, "output_ids": s.ids, "meta_info": s.meta_info()} for s in streams]
         return outs[0] if single else outs
+
+    # ---- likelihoods (docs/likelihood.md) ----------------------------------------------------------------
+    def prompt_logprobs(self, input_ids: Sequence[int], start: int = 1, top_k: int = 0
+                        ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """The staircase ("echo") value of every position from `start` (>= 1): log p(x_i | x_<i, positions
+        i .. end of i's block masked), with the top_k alternatives of the same row; None before `start`."""
+        from redraft.engine.likelihood import staircase_variants
+
+        ids = list(input_ids)
+        variants = staircase_variants(0, len(ids), max(1, start), BLOCK_SIZE)
+        out: list = [None] * len(ids)
+        for v, row in zip(variants, self.core.score_variants([ids], variants, top_k)):
+            out[v.targets[0]] = row[0]
+        return out
+
+    def score(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], estimator: str = "elbo",
+              num_timesteps: int = 1, timestep_rule: str = "stratified", masking: str = "bernoulli",
+              seed: int = 0) -> list[dict]:
+        """Likelihood terms of (prompt ids, response ids) items: the block ELBO (Monte Carlo, masks a pure
+        function of seed, timestep and position), the exact staircase, or the exact ELBO (docs/likelihood.md)."""
+        from redraft.engine.likelihood import elbo_plan, fill_terms
+
+        seqs = [list(p) + list(r) for p, r in items]
+        plan = elbo_plan([(len(p), len(p) + len(r)) for p, r in items], estimator=estimator,
+                         num_timesteps=num_timesteps, timestep_rule=timestep_rule, masking=masking, seed=seed,
+                         block_size=BLOCK_SIZE)
+        rows = self.core.score_variants(seqs, plan.variants)
+        return fill_terms(plan, [[lp for lp, _ in row] for row in rows])
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -18,7 +18,7 @@ import zmq
 
 from redraft.protocol.messages import (
     AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong, Rejected,
-    ShutdownReq,
+    ScoreReq, ScoreResult, ShutdownReq,
 )
 from redraft.protocol.server_args import ServerArgs
 
@@ -101,6 +101,12 @@ class EngineLoop:
                 self.outbox.append(Rejected(msg.rid, exc.status, str(exc), exc.code, exc.param))
         elif isinstance(msg, AbortReq):
             self.core.abort(msg.rid, msg.finish, msg.keep_tokens)
+        elif isinstance(msg, ScoreReq):
+            try:
+                self.outbox.append(ScoreResult(msg.token, self.core.score_variants(msg.sequences, msg.variants,
+                                                                                    msg.top_k)))
+            except self._rejected_type as exc:
+                self.outbox.append(ScoreResult(msg.token, None, exc.status, str(exc), exc.code, exc.param))
         elif isinstance(msg, FlushCacheReq):
             ok = self.core.flush_cache()
             text = "" if ok else "cannot flush the cache while requests are running"

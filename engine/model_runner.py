@@ -208,6 +208,37 @@ class ModelRunner:
         s.steps[slots] += 1
         return result
 
+    @torch.inference_mode()
+    def query_logprobs(self, queries: list[tuple[list[int], int, list[int]]], reads: list[list[tuple[int, int]]],
+                       top_k: int = 0) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        """Scoring forwards outside the decode batches: each query (token ids, first position, page table) is
+        block-causal, its K/V written where its page table says; then, per query, for each (offset, token) in
+        its reads, the token's log-probability at that offset (MASK excluded, as in decoding) and the top_k
+        alternatives [(token, logprob)] of the same row."""
+        b = self.block_size
+        ids = torch.tensor([t for q in queries for t in q[0]], dtype=torch.long, device=self.device)
+        meta = AttentionMetadata.build([q[1] for q in queries], [len(q[0]) for q in queries], [q[2] for q in queries],
+                                       b, self.device, with_torch_plan=self.model.kernel_backend == "torch")
+        hidden = self.model(ids, meta, self.k_cache, self.v_cache)  # [T, H]
+        starts = meta.cu_q[:-1].tolist()
+        flat = [starts[i] + off for i, rs in enumerate(reads) for off, _ in rs]
+        if not flat:
+            return [[] for _ in queries]
+        logits = exclude_mask_(self.model.logits(hidden[torch.tensor(flat, device=self.device)]), self.mask_id)
+        lp = torch.log_softmax(logits, -1)  # [R, V]
+        want = torch.tensor([tok for rs in reads for _, tok in rs], device=self.device)
+        chosen = lp.gather(-1, want[:, None]).squeeze(-1).tolist()
+        top_v, top_i = lp.topk(top_k, -1) if top_k else (None, None)
+        out, r = [], 0
+        for rs in reads:
+            row = []
+            for _ in rs:
+                alts = list(zip(top_i[r].tolist(), top_v[r].tolist())) if top_k else []
+                row.append((chosen[r], alts))
+                r += 1
+            out.append(row)
+        return out
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Request], wants: list[bool],
                   lens: list[int], out: StepOutput) -> None:

@@ -1,8 +1,8 @@
 """Typed messages between the HTTP process and the engine process (pickled over ZMQ). Torch-free.
 
-HTTP -> engine: GenerateReq, AbortReq, FlushCacheReq, PingReq, ShutdownReq.
+HTTP -> engine: GenerateReq, AbortReq, ScoreReq, FlushCacheReq, PingReq, ShutdownReq.
 engine -> HTTP: EngineReady or EngineFailed once at start-up, then one list per iteration of Accepted /
-Rejected / RequestOutput / FlushCacheResult / Pong.
+Rejected / RequestOutput / ScoreResult / FlushCacheResult / Pong.
 
 Outputs are incremental: a RequestOutput carries only what its request committed since its previous message
 (whole blocks, never revised afterwards), so a message costs the same early and late in a long generation.
@@ -31,6 +31,28 @@ class AbortReq:
     rid: str
     finish: dict[str, Any] | None = None
     keep_tokens: int | None = None
+
+
+@dataclass
+class ScoreReq:
+    """Run masked variants of blocks and read log-probabilities (engine/likelihood.py plans them)."""
+
+    token: str
+    sequences: list[list[int]]
+    variants: list[Any]  # likelihood.Variant
+    top_k: int = 0
+
+
+@dataclass
+class ScoreResult:
+    """Per variant, (logprob, top alternatives [(token, logprob)]) at each target; or why it failed."""
+
+    token: str
+    results: list[list[tuple[float, list[tuple[int, float]]]]] | None
+    status: int = 200
+    message: str = ""
+    code: str | None = None
+    param: str | None = None
 
 
 @dataclass

@@ -23,6 +23,18 @@ from redraft.scheduler.radix_cache import RadixCache
 from redraft.scheduler.request import FinishReason, Request, Status
 
 
+@dataclass
+class PrefixLease:
+    """Pages for the whole blocks of a token prefix, for scoring (engine/likelihood.py): the first `cached`
+    come from the radix tree; the caller computes the K/V of the rest, then `Scheduler.release_prefix` hands
+    them to the tree. Held pages are locked until released."""
+
+    tokens: list[int]
+    pages: list[int]
+    cached: int
+    node: object | None
+
+
 class QueueFull(Exception):
     """The waiting queue is at --max-queued-requests."""
 
@@ -283,6 +295,40 @@ class Scheduler:
                 budget -= n * b
                 items.append(WorkItem(req, first, first + n - 1, False))
         return items
+
+    # ---- scoring: prefixes and scratch pages outside the decode batches ----------------------------------
+    def lease_prefix(self, tokens: list[int]) -> PrefixLease | None:
+        """Pages for the whole blocks of `tokens` (cached ones from the tree, fresh ones for the rest), or None
+        when the pool cannot hold them now."""
+        b = self.config.block_size
+        tokens = tokens[: len(tokens) // b * b]
+        match = self.cache.match_prefix(tokens) if self.config.enable_prefix_cache else None
+        cached = len(match.pages) if match else 0
+        if match is not None:
+            self.cache.inc_lock(match.last_node)
+        fresh = self._alloc(len(tokens) // b - cached)
+        if fresh is None:
+            if match is not None:
+                self.cache.dec_lock(match.last_node)
+            return None
+        return PrefixLease(tokens, (match.pages if match else []) + fresh, cached, match.last_node if match else None)
+
+    def release_prefix(self, lease: PrefixLease, computed: bool) -> None:
+        """Hand the lease's pages to the tree (when their K/V were computed) or back to the pool; unlock."""
+        fresh = lease.pages[lease.cached :]
+        if computed and self.config.enable_prefix_cache and fresh:
+            self.cache.insert(lease.tokens, lease.pages)  # the tree takes the new pages, frees duplicates
+        elif fresh:
+            self.pool.free(fresh)
+        if lease.node is not None:
+            self.cache.dec_lock(lease.node)
+
+    def alloc_scratch(self, n: int) -> list[int] | None:
+        """`n` pages for one forward's throw-away K/V (free them with free_scratch)."""
+        return self._alloc(n)
+
+    def free_scratch(self, pages: list[int]) -> None:
+        self.pool.free(pages)
 
     # ---- stats --------------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -25,7 +25,7 @@ import zmq.asyncio
 from redraft.engine.engine_process import run_engine_process
 from redraft.protocol.messages import (
     Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong,
-    Rejected, RequestOutput, ShutdownReq,
+    Rejected, RequestOutput, ScoreReq, ScoreResult, ShutdownReq,
 )
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.protocol.server_args import ServerArgs
@@ -204,7 +204,7 @@ class EngineClient:
                     self._ready.set_result(msg.info)
                 else:
                     self._ready.set_exception(RuntimeError(msg.message))
-        elif isinstance(msg, (Pong, FlushCacheResult)):
+        elif isinstance(msg, (Pong, FlushCacheResult, ScoreResult)):
             if isinstance(msg, Pong):
                 self.stats = msg.stats
             waiter = self._waiters.pop(msg.token, None)
@@ -351,6 +351,13 @@ class EngineClient:
 
     async def flush_cache(self, timeout: float = 10.0) -> FlushCacheResult:
         return await self._request(FlushCacheReq(uuid.uuid4().hex), timeout)
+
+    async def score(self, sequences: list[list[int]], variants: list, top_k: int = 0, timeout: float = 600.0) -> list:
+        """Log-probabilities of masked variants (ScoreReq); EngineRejected when the engine refuses."""
+        res = await self._request(ScoreReq(uuid.uuid4().hex, sequences, variants, top_k), timeout)
+        if res.results is None:
+            raise EngineRejected(res.status, res.message, res.code or "invalid_request_error", res.param)
+        return res.results
 
     @property
     def num_in_flight(self) -> int:
