@@ -28,6 +28,15 @@ from redraft.scheduler.scheduler import StepOutput, WorkItem
 log = logging.getLogger("redraft.runner")
 
 
+LOGPROB_FLOOR = -9999.0  # OpenAI's value for "impossible": JSON has no -inf
+
+
+def finite_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dim, floored at LOGPROB_FLOOR (a token with probability 0, MASK included, would
+    be -inf, which no JSON reply can carry)."""
+    return torch.log_softmax(logits, -1).nan_to_num(nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
+
+
 @dataclass
 class ForwardBatch:
     """The inputs of one forward, on the host: what both the eager path and the CUDA-graph path consume."""
@@ -225,7 +234,7 @@ class ModelRunner:
         if not flat:
             return [[] for _ in queries]
         logits = exclude_mask_(self.model.logits(hidden[torch.tensor(flat, device=self.device)]), self.mask_id)
-        lp = torch.log_softmax(logits, -1)  # [R, V]
+        lp = finite_logprobs(logits)  # [R, V]
         want = torch.tensor([tok for rs in reads for _, tok in rs], device=self.device)
         chosen = lp.gather(-1, want[:, None]).squeeze(-1).tolist()
         top_v, top_i = lp.topk(top_k, -1) if top_k else (None, None)
@@ -242,10 +251,10 @@ class ModelRunner:
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Request], wants: list[bool],
                   lens: list[int], out: StepOutput) -> None:
-        """Log-probabilities of the window's tokens after the step, under this forward's raw distribution
-        (no temperature or filtering; MASK excluded), and the top alternatives where asked."""
+        """Log-probabilities of the window's tokens after the step, under this forward's distribution after the
+        request's logit controls (no temperature or filtering; MASK excluded), and the top alternatives where asked."""
         rows = [i for i, w in enumerate(wants) if w]
-        lp = torch.log_softmax(logits[rows], -1)  # [n, B, V]
+        lp = finite_logprobs(logits[rows])  # [n, B, V]
         chosen = lp.gather(-1, tokens[rows].clamp(min=0)[..., None]).squeeze(-1).tolist()  # [n, L] (PAD: any row)
         k = max(reqs[i].params.top_logprobs for i in rows)
         top_v, top_i = lp.topk(k, -1) if k else (None, None)

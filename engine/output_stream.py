@@ -63,13 +63,14 @@ class OutputStream:
 
     def meta_info(self) -> dict[str, Any]:
         """SGLang-style meta_info: the engine's figures, the finish, and the logprobs in SGLang's shapes
-        (output_token_logprobs [[logprob, id], ...], output_top_logprobs [[[logprob, id], ...], ...])."""
+        (output_token_logprobs [[logprob, id, None], ...], output_top_logprobs [[[logprob, id, None], ...], ...];
+        the third element is SGLang's token text, not sent)."""
         meta: dict[str, Any] = {"id": self.rid, "finish_reason": self.finish_reason, **self.meta}
         meta["id"] = self.rid
         meta["finish_reason"] = self.finish_reason
         if self.finished:
             meta["completion_tokens"] = len(self.ids)
         if self.logprobs is not None:
-            meta["output_token_logprobs"] = [[v, t] for v, t in zip(self.logprobs, self.ids)]
-            meta["output_top_logprobs"] = [[[v, t] for t, v in alts] for alts in (self.top_logprobs or [])]
+            meta["output_token_logprobs"] = [[v, t, None] for v, t in zip(self.logprobs, self.ids)]
+            meta["output_top_logprobs"] = [[[v, t, None] for t, v in alts] for alts in (self.top_logprobs or [])]
         return meta

@@ -185,8 +185,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_num(v) or not -2.0 <= v <= 2.0:
                 fail(f"{name} must be a number in [-2, 2]", name)
-        if not _is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
-            fail("repetition_penalty must be a number in (0, 100]", "repetition_penalty")
+        # below 0.01 a seen token's logit is scaled past float range (inf, then NaN): no useful value lives there
+        if not _is_num(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100.0:
+            fail("repetition_penalty must be a number in [0.01, 100]", "repetition_penalty")
         if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:
             fail(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases", "logit_bias")
         for tok, bias in self.logit_bias:

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.engine.output_stream import OutputStream
@@ -26,6 +26,7 @@ from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.common import (RETRY_AFTER, APIError, ChoiceStream, ServerState, engine_error, error_response,
                                    run_all, run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.engine_client import EngineDead
+from redraft.server.likelihood_api import prompt_logprobs
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.middleware import install_middleware
 from redraft.server.openai_protocol import reject_lone_surrogates
@@ -41,6 +42,12 @@ class GenerateBody(BaseModel):
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
     rid: str | None = None
+    # SGLang's logprob fields: output logprobs (return_logprob), the prompt's from logprob_start_len (-1: none),
+    # top_logprobs_num alternatives at each position; token texts are not returned (the third entry is None)
+    return_logprob: bool = False
+    logprob_start_len: int = Field(default=-1, ge=-1)
+    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    return_text_in_logprobs: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -59,6 +66,7 @@ class AbortBody(BaseModel):
 
 
 def create_app(state: ServerState) -> FastAPI:
+    from redraft.server.likelihood_api import register_likelihood_routes
     from redraft.server.openai_api import register_openai_routes
 
     @asynccontextmanager
@@ -74,6 +82,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.redraft = state
     install_middleware(app, state)
     register_openai_routes(app, state)
+    register_likelihood_routes(app, state)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -148,10 +157,19 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
         prompts = await _native_prompts(state, body)
+        raw_params = dict(body.sampling_params or {})
+        if body.return_logprob:
+            raw_params.update(logprobs=True, top_logprobs=body.top_logprobs_num)
         try:
-            params = SamplingParams.from_dict(body.sampling_params or {})
+            params = SamplingParams.from_dict(raw_params)
         except SamplingParamsError as exc:
             raise APIError(400, str(exc), param=f"sampling_params.{exc.param}" if exc.param else None) from exc
+        input_lps = None
+        if body.return_logprob and body.logprob_start_len >= 0:  # the prompt's staircase values
+            if body.stream:
+                raise APIError(400, "input logprobs (logprob_start_len >= 0) need stream=false", param="stream")
+            input_lps = [await prompt_logprobs(state, ids, body.logprob_start_len, body.top_logprobs_num)
+                         for ids in prompts]
         if body.stream and len(prompts) != 1:
             raise APIError(400, "stream=true takes a single prompt", param="stream")
         base_rid = body.rid or uuid.uuid4().hex
@@ -164,6 +182,11 @@ def create_app(state: ServerState) -> FastAPI:
             return StreamingResponse(_native_sse(streams[0]), media_type="text/event-stream")
         outs = await run_until_disconnect(request, run_all(streams))
         results = [_native_payload(o, final=True) for o in outs]
+        for k, res in enumerate(results if input_lps is not None else []):
+            res["meta_info"]["input_token_logprobs"] = [[e[0] if e else None, t, None]
+                                                        for t, e in zip(prompts[k], input_lps[k])]
+            res["meta_info"]["input_top_logprobs"] = [[[v, a, None] for a, v in e[1]] if e else None
+                                                      for e in input_lps[k]]
         batch = isinstance(body.text, list) or _is_batch_ids(body.input_ids)
         return results if batch else results[0]
 

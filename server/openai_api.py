@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
+from redraft.server.likelihood_api import prompt_logprobs
 from redraft.server.common import (APIError, ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect,
                                    sse, sse_error, start_streams)
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
@@ -236,12 +237,21 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         rid = request.state.request_id
         prompts = await _completion_prompts(state, body.prompt)
         top = body.logprobs or 0
-        params, all_prompts = [], []
-        for ids in prompts:
-            for i in range(body.n):
-                params.append(sampling_params(body, logprobs=body.logprobs is not None, top_logprobs=top, choice=i))
-                all_prompts.append(ids)
+        all_prompts = [ids for ids in prompts for _ in range(body.n)]
+        if len(all_prompts) > state.max_choices:  # before any work, echo included
+            raise APIError(400, f"this request asks for {len(all_prompts)} outputs; the server allows at most "
+                                f"{state.max_choices} per request (--max-choices-per-request)", param="n")
         fmt = CompletionFormatter(state, f"cmpl-{rid}", body, prompts)
+        if body.echo:  # the prompt's own log-probabilities (staircase values), computed before generating
+            start = 1 if body.logprob_start_len is None else body.logprob_start_len
+            fmt.echo = [await prompt_logprobs(state, ids, start, body.logprobs or 0) if body.logprobs is not None
+                        else [None] * len(ids) for ids in prompts]
+            fmt.echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
+                              for p, ids in zip(_prompt_list(body.prompt), prompts)]
+            if body.max_tokens == 0:
+                return fmt.response([None] * len(all_prompts))
+        params = [sampling_params(body, logprobs=body.logprobs is not None, top_logprobs=top, choice=i)
+                  for _ in prompts for i in range(body.n)]
         rids = [f"{rid}-{i}" for i in range(len(all_prompts))]
         streams = await start_streams(state, rids, all_prompts, params, COMPLETION_PARAMS)
         if body.stream:
@@ -282,6 +292,13 @@ def _text_chars(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_text_chars(v) for v in value)
     return 0
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    """The prompts of a completions request, one entry each (a string or a list of token ids)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 async def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
@@ -384,6 +401,28 @@ class CompletionFormatter:
         self.state, self.id, self.body, self.prompts = state, cid, body, prompts
         self.created = int(time.time())
         self.model = body.model or state.model_names[0]
+        # echo: per prompt, its staircase log-probabilities (None where not computed) and its text
+        self.echo: list[list] | None = None
+        self.echo_texts: list[str] = []
+
+    def _echo_logprobs(self, p: int) -> tuple[dict, int]:
+        """The prompt part of an echoed choice's logprobs (OpenAI's legacy shape), and its text length."""
+        tokens, lps, tops, offsets, pos = [], [], [], [], 0
+        for tok, entry in zip(self.prompts[p], self.echo[p]):
+            text = _token_entry(self.state, tok, 0.0)["token"]
+            tokens.append(text)
+            offsets.append(pos)
+            pos += len(text)
+            if entry is None:
+                lps.append(None)
+                tops.append(None)
+            else:
+                lps.append(entry[0])
+                alt: dict[str, float] = {}
+                for t, v in entry[1]:
+                    alt.setdefault(_token_entry(self.state, t, v)["token"], v)
+                tops.append(alt)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, pos
 
     def _envelope(self, **extra: Any) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -392,15 +431,30 @@ class CompletionFormatter:
     def _prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    def response(self, outs: list[OutputStream]) -> dict:
-        if any(aborted(o) for o in outs):
+    def response(self, outs: list[OutputStream | None]) -> dict:
+        """`outs` None: echo with max_tokens 0 (the prompt alone, no generation)."""
+        done = [o for o in outs if o is not None]
+        if any(aborted(o) for o in done):
             raise aborted_error()
         choices = []
+        n = self.body.n
         for i, out in enumerate(outs):
-            lp = completion_logprobs(self.state, out, 0, len(out.ids), 0) if self.body.logprobs is not None else None
-            choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": finish_reason(out)})
-        u = usage(outs, self._prompt_tokens())
-        return self._envelope(choices=choices, usage=u, diffusion=diffusion_stats(outs))
+            text, lp = (out.text if out else ""), None
+            if self.body.logprobs is not None:
+                lp = completion_logprobs(self.state, out, 0, len(out.ids), 0) if out else \
+                    {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if self.echo is not None:
+                p = i // n
+                prompt_text = self.echo_texts[p]
+                if lp is not None:
+                    echoed, length = self._echo_logprobs(p)
+                    lp = {key: echoed[key] + lp[key] for key in echoed}
+                    lp["text_offset"] = echoed["text_offset"] + [length + o for o in lp["text_offset"][len(echoed["tokens"]):]]
+                text = prompt_text + text
+            reason = finish_reason(out) if out else "length"
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+        u = usage(done, self._prompt_tokens())
+        return self._envelope(choices=choices, usage=u, diffusion=diffusion_stats(done))
 
     async def stream(self, streams: list[ChoiceStream]) -> AsyncIterator[str]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)

@@ -156,7 +156,7 @@ class _Common(Strict):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int | None = Field(default=None, ge=0)
     stutter_penalty: float | None = Field(default=None, ge=0.0, le=100.0)
     # diffusion (extra_body)
@@ -221,9 +221,10 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
+    logprob_start_len: int | None = Field(default=None, ge=0)  # echo: prompt positions before it get no logprob
     suffix: str | None = None
     best_of: int | None = None
 
@@ -237,8 +238,10 @@ class CompletionRequest(_Common):
 
     def check_noop_fields(self) -> None:
         super().check_noop_fields()
-        if self.echo:
-            raise UnsupportedValue("echo", "echo is not supported")
+        if self.echo and self.stream:
+            raise UnsupportedValue("echo", "echo is not supported with stream=true")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedValue("max_tokens", "max_tokens 0 needs echo=true (scoring the prompt)")
         if self.suffix:
             raise UnsupportedValue("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from naive_llada2 import NaiveControls, naive_generate, naive_mbe_generate
 from test_engine_exactness import PARAMS, Tiny, TinyCache, resolve, tinies  # noqa: F401 - fixture
@@ -91,3 +92,18 @@ def test_logit_bias_bans_a_token_and_min_tokens_lengthens(tinies: TinyCache) -> 
     banned = t.engine.generate(input_ids=ids, sampling_params={"mode": "S", "max_new_tokens": 90,
                                                                 "logit_bias": {str(common): -100}})
     assert common not in banned["output_ids"]
+
+
+def test_logprobs_stay_finite_for_json():
+    """A token the distribution rules out (MASK, a logit driven to -inf or NaN) reports the floor, never
+    -inf/NaN: json.dumps refuses those, which once turned a reply into a 500."""
+    import json
+
+    from redraft.engine.model_runner import LOGPROB_FLOOR, finite_logprobs
+
+    logits = torch.tensor([[0.0, float("-inf"), 1.0], [float("nan"), 0.0, 0.0]], dtype=torch.float64)
+    lp = finite_logprobs(logits)
+    assert torch.isfinite(lp).all()
+    assert lp[0, 1] == LOGPROB_FLOOR and (lp[1] == LOGPROB_FLOOR).all()  # a NaN row: nothing is known
+    assert torch.allclose(lp[0, [0, 2]], torch.log_softmax(torch.tensor([0.0, 1.0], dtype=torch.float64), -1))
+    json.dumps(lp.tolist(), allow_nan=False)

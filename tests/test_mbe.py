@@ -6,13 +6,12 @@ backend, and the per-request meta."""
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
 import torch
 
-from naive_llada2 import mbe_mask, naive_generate, naive_mbe_generate
+from naive_llada2 import mbe_mask, naive_mbe_generate
 from test_engine_exactness import PARAMS, Tiny, TinyCache, check_meta, resolve, tinies  # noqa: F401 - fixture
 
 import redraft
@@ -179,8 +178,8 @@ def test_logprobs_cover_the_output_with_windows(tinies: TinyCache) -> None:
               "top_logprobs": 2, "ignore_eos": True}
     out = t.engine.generate(input_ids=ids, sampling_params=params)
     meta = out["meta_info"]
-    assert [t_ for _, t_ in meta["output_token_logprobs"]] == out["output_ids"]
-    assert all(lp <= 0 for lp, _ in meta["output_token_logprobs"])
+    assert [t_ for _, t_, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
     assert all(len(alts) == 2 for alts in meta["output_top_logprobs"])
     plain = t.engine.generate(input_ids=ids, sampling_params={k: v for k, v in params.items()
                                                               if k not in ("logprobs", "top_logprobs")})

@@ -191,7 +191,12 @@ def test_schema_fuzz_finds_no_server_error(server, openapi_doc):
                         cap_cost(case.body)
                         resp = case.call(base_url=server.url, headers=AUTH, timeout=REQUEST_TIMEOUT_S)
                         counts[resp.status_code] = counts.get(resp.status_code, 0) + 1
-                        check_response(resp)
+                        try:
+                            check_response(resp)
+                        except AssertionError as exc:  # name the case: Hypothesis prints an empty repr
+                            body = repr(case.body)[:1500]
+                            raise AssertionError(f"{variant} {mode.value} {case.method} {case.path} body={body}\n"
+                                                 f"{exc}\nserver log:\n{server.log_tail()}") from None
 
                     try:
                         run()

@@ -1,0 +1,131 @@
+"""Likelihood routes (docs/likelihood.md): `/score` (block ELBO, staircase or exact terms for RL trainers), the
+prompt log-probabilities behind `echo` on /v1/completions and SGLang's `input_token_logprobs` on /generate, and
+the tokenizer routes lm-evaluation-harness's remote tokenizer reads (`/tokenize`, `/detokenize`,
+`/tokenizer_info`, in vLLM's shapes). The HTTP process plans the masked variants (engine/likelihood.py,
+torch-free); the engine runs them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from redraft.engine.likelihood import elbo_plan, fill_terms, staircase_variants
+from redraft.engine.tokenizer import ChatTemplateError
+from redraft.protocol.sampling_params import BLOCK_SIZE
+from redraft.server.common import APIError, ServerState, engine_error
+from redraft.server.engine_client import EngineDead, EngineRejected
+from redraft.server.openai_protocol import reject_lone_surrogates
+
+
+async def prompt_logprobs(state: ServerState, ids: list[int], start: int, top_k: int
+                          ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """The staircase value of every position from max(start, 1) (None before), with top_k alternatives."""
+    variants = staircase_variants(0, len(ids), max(1, start), BLOCK_SIZE)
+    try:
+        rows = await state.client.score([ids], variants, top_k) if variants else []
+    except (EngineDead, EngineRejected) as exc:
+        raise engine_error(exc, {"input_ids": "prompt"}) from exc
+    out: list = [None] * len(ids)
+    for v, row in zip(variants, rows):
+        out[v.targets[0]] = row[0]
+    return out
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return reject_lone_surrogates(data)
+
+
+class ScoreItem(Strict):
+    prompt: str | list[int] = Field(min_length=1)
+    response: str | list[int] = Field(min_length=1)
+
+
+class ScoreBody(Strict):
+    items: list[ScoreItem] = Field(min_length=1, max_length=256)
+    estimator: Literal["elbo", "staircase", "exact"] = "elbo"
+    num_timesteps: int = Field(default=8, ge=1, le=256)
+    timestep_rule: Literal["stratified", "gauss_legendre"] = "stratified"
+    masking: Literal["bernoulli", "count", "complementary"] = "bernoulli"
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+
+
+class TokenizeBody(Strict):
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False  # LLaDA2 adds none either way
+    add_generation_prompt: bool = True
+    model: str | None = None
+
+
+class DetokenizeBody(Strict):
+    tokens: list[int]
+    model: str | None = None
+
+
+def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/score")
+    async def score(body: ScoreBody):
+        """Likelihood terms of (prompt, response) items: per (timestep, block) the sum of the masked tokens'
+        log-probabilities and their count, and the weighted estimate (docs/likelihood.md)."""
+        seqs, spans = [], []
+        for k, item in enumerate(body.items):
+            p = item.prompt if isinstance(item.prompt, list) else await state.encode(item.prompt, f"items.{k}.prompt")
+            r = item.response if isinstance(item.response, list) else await state.encode(item.response,
+                                                                                            f"items.{k}.response")
+            if not p or not r:
+                raise APIError(400, "prompt and response must each hold at least one token", param=f"items.{k}")
+            seqs.append(list(p) + list(r))
+            spans.append((len(p), len(p) + len(r)))
+        try:
+            plan = elbo_plan(spans, estimator=body.estimator, num_timesteps=body.num_timesteps,
+                             timestep_rule=body.timestep_rule, masking=body.masking, seed=body.seed,
+                             block_size=BLOCK_SIZE)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="estimator") from exc
+        if len(plan.variants) > 65536:
+            raise APIError(400, f"this request needs {len(plan.variants)} block forwards; at most 65536",
+                           param="num_timesteps")
+        try:
+            rows = await state.client.score(seqs, plan.variants) if plan.variants else []
+        except (EngineDead, EngineRejected) as exc:
+            raise engine_error(exc, {"input_ids": "items"}) from exc
+        results = fill_terms(plan, [[lp for lp, _ in row] for row in rows])
+        return {"object": "score", "model": state.model_name, "estimator": body.estimator,
+                "num_timesteps": body.num_timesteps, "timestep_rule": body.timestep_rule, "masking": body.masking,
+                "seed": body.seed, "block_size": BLOCK_SIZE, "results": results}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.prompt is not None:
+            tokens = await state.encode(body.prompt, "prompt")
+        else:
+            state.check_text_length(sum(len(str(m.get("content") or "")) for m in body.messages), "messages")
+            try:  # off the loop, as for chat completions
+                tokens = await asyncio.to_thread(state.tokenizer.encode_chat, body.messages,
+                                                 add_generation_prompt=body.add_generation_prompt)
+            except ChatTemplateError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        if any(not 0 <= t < state.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {state.vocab_size})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tok = state.tokenizer
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "mask_token": tok.mask_token, "chat_template": tok.chat_template,
+                "model_max_length": state.max_model_len, "vocab_size": tok.vocab_size}
