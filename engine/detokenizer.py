@@ -21,9 +21,12 @@ class _Decoder(Protocol):
 
 
 class StreamingDetokenizer:
-    def __init__(self, tokenizer: _Decoder, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: _Decoder, stop: Sequence[str] = (), keep_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.keep_stop = keep_stop  # SGLang's no_stop_trim: the matched stop string stays in the text
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.stop_matched: str | None = None  # the stop string that ended the text, once one appeared
         self._confirmed = ""  # text of ids[:_read]: whole characters, final
@@ -57,8 +60,9 @@ class StreamingDetokenizer:
 
     # ---- internals ------------------------------------------------------------------------------------
     def _decode(self, finished: bool) -> None:
-        base = self.tokenizer.decode(self.ids[self._prefix : self._read])
-        full = self.tokenizer.decode(self.ids[self._prefix :])
+        skip = self.skip_special_tokens
+        base = self.tokenizer.decode(self.ids[self._prefix : self._read], skip_special_tokens=skip)
+        full = self.tokenizer.decode(self.ids[self._prefix :], skip_special_tokens=skip)
         tail = full[len(base) :] if full.startswith(base) else full  # prefix-stable for every sane decoder
         if finished or not tail.endswith(_REPLACEMENT):
             self._confirmed += tail
@@ -78,6 +82,7 @@ class StreamingDetokenizer:
         if hits:
             cut, matched = min(hits)
             self.stop_matched = matched
+            cut += len(matched) if self.keep_stop else 0
             self._confirmed, self._tail = text[:cut], ""
 
     def _held_back(self, text: str) -> int:

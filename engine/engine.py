@@ -122,7 +122,7 @@ class Engine:
             for ids, p in zip(id_lists, params):  # all or nothing: a rejected prompt aborts the others
                 rid = uuid.uuid4().hex
                 core.add_request(rid, ids, p)
-                streams[rid] = OutputStream(rid, self.tokenizer, p.stop)
+                streams[rid] = OutputStream(rid, self.tokenizer, p.stop, p.no_stop_trim, p.skip_special_tokens)
             t0 = time.perf_counter()
             pending = set(streams)
             while pending:

@@ -12,9 +12,10 @@ from redraft.protocol.messages import AbortReq, RequestOutput
 
 
 class OutputStream:
-    def __init__(self, rid: str, tokenizer: Any, stop: Sequence[str] = ()):
+    def __init__(self, rid: str, tokenizer: Any, stop: Sequence[str] = (), keep_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self.rid = rid
-        self.detok = StreamingDetokenizer(tokenizer, stop)
+        self.detok = StreamingDetokenizer(tokenizer, stop, keep_stop, skip_special_tokens)
         self.ids: list[int] = []
         self.logprobs: list[float] | None = None
         self.top_logprobs: list[list[tuple[int, float]]] | None = None

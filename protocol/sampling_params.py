@@ -126,6 +126,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, on tokens of the prompt or the committed output (HF / vLLM)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100), at most 300 (OpenAI)
     min_tokens: int = 0  # no EOS / stop token before this many output tokens (vLLM)
+    # Output text (SGLang's; the HTTP side's detokenizer applies them, the engine never sees them)
+    no_stop_trim: bool = False  # keep the matched stop string at the end of the text
+    skip_special_tokens: bool = True  # False: special tokens appear in the text
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -175,6 +178,9 @@ class SamplingParams:
             fail("ignore_eos must be a boolean", "ignore_eos")
         if not isinstance(self.logprobs, bool):
             fail("logprobs must be a boolean", "logprobs")
+        for name in ("no_stop_trim", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(f"{name} must be a boolean", name)
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
             fail("top_logprobs must be an integer in [0, 20]", "top_logprobs")
         if self.domain is not None and not isinstance(self.domain, str):

@@ -93,6 +93,11 @@ class ServerState:
         return int(self.client.info.get("vocab_size", self.tokenizer.vocab_size))
 
 
+def check_model(state: "ServerState", model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
 def engine_error(exc: Exception, params: dict[str, str] | None = None) -> APIError:
     """The API error for an engine refusal (its parameter renamed to the route's field by `params`) or for a
     dead engine."""
@@ -124,7 +129,7 @@ class ChoiceStream:
     def __init__(self, state: "ServerState", rid: str, ids: list[int], params: SamplingParams, index: int):
         self.state, self.rid, self.index, self.params = state, rid, index, params
         self._engine = state.client.generate(rid, ids, params)
-        self.out = OutputStream(rid, state.tokenizer, params.stop)
+        self.out = OutputStream(rid, state.tokenizer, params.stop, params.no_stop_trim, params.skip_special_tokens)
         self.sent_tokens = 0  # output tokens whose logprobs a stream has sent
         self.accepted: Accepted | None = None
 

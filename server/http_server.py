@@ -1,7 +1,8 @@
 """The HTTP process: FastAPI app with SGLang's native routes, talking to the engine process over ZMQ.
 
 Routes: POST /generate (JSON or SSE, one chunk per committed block), POST /abort_request,
-POST /flush_cache, GET /health (pings the engine), GET /live (does not), GET /get_server_info, GET /metrics.
+POST /flush_cache, GET /health (pings the engine), GET /live (does not), GET /server_info and /model_info (also
+under their older get_ names, in SGLang's shapes), GET /metrics.
 The event loop never waits on the model: requests go to the engine process and their progress comes back
 through EngineClient.
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -23,8 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.engine.output_stream import OutputStream
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
-from redraft.server.common import (RETRY_AFTER, APIError, ChoiceStream, ServerState, engine_error, error_response,
-                                   run_all, run_until_disconnect, sse, sse_error, start_streams)
+from redraft.server.common import (RETRY_AFTER, APIError, ChoiceStream, ServerState, check_model, engine_error,
+                                   error_response, run_all, run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.engine_client import EngineDead
 from redraft.server.likelihood_api import prompt_logprobs
 from redraft.server.metrics import CONTENT_TYPE_LATEST
@@ -47,7 +50,16 @@ class GenerateBody(BaseModel):
     return_logprob: bool = False
     logprob_start_len: int = Field(default=-1, ge=-1)
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
-    return_text_in_logprobs: bool = False
+    return_text_in_logprobs: bool = False  # the third entry of each logprob tuple: the token's text
+    # what SGLang clients and sglang-router add (docs/scaling.md): `model` must name the served model; the
+    # logging switches are no-ops; the features redraft lacks are accepted only when off
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -124,12 +136,27 @@ def create_app(state: ServerState) -> FastAPI:
             return error_response(503, "the engine could not be restarted", "server_error", code="engine_failed")
         return Response(status_code=200)
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
         stats = {}
         with contextlib.suppress(EngineDead, asyncio.TimeoutError):
             stats = await state.client.ping(timeout=2.0)
         return {**state.client.info, "model_name": state.model_name, "engine_alive": state.client.alive, **stats}
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        """SGLang's shape (sglang-router reads it when a worker registers)."""
+        path = state.client.info.get("model_path") or state.model_path
+        config: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            config = json.loads((Path(path) / "config.json").read_text())
+        return {"model_path": path, "tokenizer_path": path, "served_model_name": state.model_name,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": config.get("model_type"), "architectures": config.get("architectures"),
+                "max_model_len": state.max_model_len}
 
     @app.get("/metrics")
     async def metrics():
@@ -156,6 +183,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
+        check_model(state, body.model)
+        for flag in ("return_hidden_states", "return_entropy", "return_bytes", "background"):
+            if getattr(body, flag):
+                raise APIError(400, f"{flag} is not supported (only false)", param=flag)
         prompts = await _native_prompts(state, body)
         raw_params = dict(body.sampling_params or {})
         if body.return_logprob:
@@ -187,6 +218,9 @@ def create_app(state: ServerState) -> FastAPI:
                                                         for t, e in zip(prompts[k], input_lps[k])]
             res["meta_info"]["input_top_logprobs"] = [[[v, a, None] for a, v in e[1]] if e else None
                                                       for e in input_lps[k]]
+        if body.return_text_in_logprobs:
+            for res in results:
+                _token_texts(res["meta_info"], state.tokenizer)
         batch = isinstance(body.text, list) or _is_batch_ids(body.input_ids)
         return results if batch else results[0]
 
@@ -206,6 +240,21 @@ def _openapi_with_400(app: FastAPI) -> dict:
                     responses["400"] = {**responses.pop("422"), "description": "Invalid request"}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _token_texts(meta: dict, tokenizer: Any) -> None:
+    """return_text_in_logprobs: fill the third entry of every [logprob, id, text] with the token's text."""
+    def fill(entry: list | None) -> None:
+        if entry is not None:
+            entry[2] = tokenizer.decode([entry[1]], skip_special_tokens=False)
+
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        for entry in meta.get(key) or []:
+            fill(entry)
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        for row in meta.get(key) or []:
+            for entry in row or []:
+                fill(entry)
 
 
 def _is_batch_ids(ids: Any) -> bool:

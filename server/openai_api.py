@@ -21,8 +21,8 @@ from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.likelihood_api import prompt_logprobs
-from redraft.server.common import (APIError, ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect,
-                                   sse, sse_error, start_streams)
+from redraft.server.common import (APIError, ChoiceStream, ServerState, check_model, merge_updates, run_all,
+                                   run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -68,6 +68,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, logprobs:
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
         "logit_bias": req.logit_bias,
+        "no_stop_trim": req.no_stop_trim,
+        "skip_special_tokens": req.skip_special_tokens,
     }
     for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "stutter_penalty"):
         if getattr(req, name) is not None:
@@ -77,11 +79,6 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, logprobs:
     except SamplingParamsError as exc:
         param = {"max_new_tokens": "max_tokens"}.get(exc.param or "", exc.param)
         raise APIError(400, str(exc).replace("max_new_tokens", "max_tokens"), param=param) from exc
-
-
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.model_names:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def validate(req: ChatCompletionRequest | CompletionRequest) -> None:

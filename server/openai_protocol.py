@@ -166,6 +166,12 @@ class _Common(Strict):
     max_post_steps: int | None = Field(default=None, ge=0, le=1024)
     mbe_window: int | None = Field(default=None, ge=1, le=8)  # protocol.sampling_params.MAX_MBE_WINDOW
     domain: str | None = Field(default=None, max_length=64)
+    # SGLang's fields (its clients and sglang-router send them, mostly at their defaults): docs/scaling.md
+    no_stop_trim: bool = False  # keep the matched stop string in the text
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False  # only false: hidden states are not returned
+    separate_reasoning: bool = True  # no-ops: redraft has no reasoning parser, so there is nothing to separate
+    stream_reasoning: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -187,6 +193,8 @@ class _Common(Strict):
     def check_noop_fields(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "stream_options is only allowed with stream=true")
+        if self.return_hidden_states:
+            raise UnsupportedValue("return_hidden_states", "return_hidden_states is not supported (only false)")
 
     @property
     def request_domain(self) -> str | None:
@@ -204,9 +212,12 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # SGLang's / vLLM's; only false
 
     def check_noop_fields(self) -> None:
         super().check_noop_fields()
+        if self.continue_final_message:
+            raise UnsupportedValue("continue_final_message", "continue_final_message is not supported (only false)")
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs=true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:

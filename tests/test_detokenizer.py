@@ -88,3 +88,22 @@ def test_block_by_block_equals_decoding_at_once(tok):
         assert text == want == detok.text, (trial, stops, cuts)
         if stops:
             assert detok.stop_matched in stops
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_no_stop_trim_keeps_the_stop_string_across_blocks(tok, keep):
+    """SGLang's no_stop_trim: the text ends with the stop string instead of before it; nothing after it."""
+    ids = byte_tokens(tok, "hello STOP world")
+    detok = StreamingDetokenizer(tok, ["STOP"], keep_stop=keep)
+    deltas = stream(detok, ids, [8, len(ids)])  # the stop string is cut in two by the block boundary
+    want = "hello STOP" if keep else "hello "
+    assert "".join(deltas) == detok.text == want and detok.stop_matched == "STOP"
+
+
+def test_skip_special_tokens_false_shows_them(tok):
+    eos = tok.eos_token_id
+    ids = byte_tokens(tok, "ok") + [eos]
+    shown = StreamingDetokenizer(tok, skip_special_tokens=False)
+    hidden = StreamingDetokenizer(tok)
+    assert "".join(stream(shown, ids, [len(ids)])) == "ok" + tok.eos_token
+    assert "".join(stream(hidden, ids, [len(ids)])) == "ok"

@@ -231,10 +231,12 @@ class TaskGenerator:
     `invented_animals`: the share of chat problems asked about an invented name (3..8 random letters) instead
     of a listed animal. Training uses it as copying practice (the held-out animals are names the model has
     never been asked about); invented names are never eval problems, and eval never uses them.
+    `long_counts`: the share of count problems (train only) with B - A in 3..64 instead of the suite's 10..40,
+    so that the model stops where the prompt says rather than after a length it has learnt.
     """
 
     def __init__(self, seed: int, split: str = "train", weights: dict[str, float] | None = None,
-                 invented_animals: float = 0.0, suite: str = "v1"):
+                 invented_animals: float = 0.0, suite: str = "v1", long_counts: float = 0.0):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
         if suite not in SUITES:
@@ -246,6 +248,7 @@ class TaskGenerator:
         self.families = [f for f in SUITES[suite] if w.get(f, 0.0) > 0]
         self.weights = [w[f] for f in self.families]
         self.invented_animals = invented_animals if split == "train" else 0.0
+        self.long_counts = long_counts if split == "train" else 0.0
         self.level = 1.0
 
     def __iter__(self) -> Iterator[Example]:
@@ -260,6 +263,12 @@ class TaskGenerator:
                 name = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 8)))
                 if name not in ANIMALS and split_of(f"chat|{name}", "chat") == self.split:
                     return make_chat(name, self.rng.randrange(len(CHAT_TEMPLATES)))
+        if family == "count" and self.rng.random() < self.long_counts:
+            while True:  # a count shorter or longer than the suite's (B - A in 3..64): where to stop is read, not learnt
+                a = self.rng.randint(0, 899)
+                ex = make_count(a, a + self.rng.randint(3, 64))
+                if split_of(ex.key, "count") == self.split:
+                    return ex
         return sample(family, self.split, self.rng, level, self.suite)
 
     def batch(self, n: int) -> list[Example]:

@@ -104,6 +104,7 @@ class TrainConfig:
     init_from: str | None = None  # warm start: model weights of another run's ckpt.pt (number rows re-made)
     adaptive_mix: bool = True  # after each evaluation, sample families in proportion to their error
     invented_animals: float = 0.3  # share of chat problems about invented names (copying practice)
+    long_counts: float = 0.0  # share of count problems with B - A in 3..64 (the suite: 10..40)
     eos_tail_weight: float = 1.0
     p_edit: float = 0.5  # share of sequences that also get the editing (T2T) noise
     max_edit_rate: float = 0.3
@@ -355,7 +356,7 @@ class Trainer:
                                       {"params": no_decay, "weight_decay": 0.0}], lr=tcfg.lr, betas=tcfg.betas)
         self.load = RouterLoad(self.model)
         self.gen = TaskGenerator(tcfg.seed, "train", tcfg.family_weights, invented_animals=tcfg.invented_animals,
-                                 suite=tcfg.suite)
+                                 suite=tcfg.suite, long_counts=tcfg.long_counts)
         self.rng = random.Random(tcfg.seed + 1)
         self.torch_gen = torch.Generator().manual_seed(tcfg.seed + 2)
         specials = {self.tok.token_to_id(t) for t in LLADA2_SPECIAL_TOKENS}

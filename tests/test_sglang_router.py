@@ -1,0 +1,152 @@
+"""Replicas behind SGLang's own router: `sglang-router` (the pip package, run as `python -m
+sglang_router.launch_router`) in front of two `redraft serve` replicas of the bundled model, everything on
+loopback. The router registers the workers through /server_info and /model_info, adds SGLang's own fields to
+every request (no_stop_trim, skip_special_tokens, model on /generate, ...), and must get the same answers as a
+direct request; its cache-aware policy keeps a repeated long prompt on the replica that has it cached."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from live_server import RedraftServer, free_port
+
+pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra: pip install -e '.[dev]'")
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
+STARTUP_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def fleet(request, tmp_path_factory):
+    replicas = [RedraftServer(None, tmp_path_factory.mktemp(f"replica{i}"), ["--cpu-threads", "1"]) for i in range(2)]
+    for r in replicas:
+        request.addfinalizer(r.stop)
+        r.start()
+    port, log = free_port(), tmp_path_factory.mktemp("router") / "router.log"
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    with open(log, "wb") as f:
+        router = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+    def stop() -> None:
+        router.terminate()
+        try:
+            router.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            router.kill()
+
+    request.addfinalizer(stop)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_S
+    while True:  # ready once it routes a request (its workers registered and healthy)
+        assert router.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.post(f"{url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+                          timeout=10).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return url, replicas, log
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_workers_register_through_sglangs_info_routes(fleet) -> None:
+    _, replicas, _ = fleet
+    for r in replicas:
+        for path in ("/model_info", "/get_model_info"):
+            info = httpx.get(r.url + path, timeout=10).json()
+            assert info["is_generation"] is True and info["model_type"] == "llada2_moe", info
+        for path in ("/server_info", "/get_server_info"):
+            assert "max_model_len" in httpx.get(r.url + path, timeout=10).json()
+
+
+def test_routed_requests_answer_as_direct_ones(fleet) -> None:
+    url, replicas, log = fleet
+    direct, routed = _client(replicas[0].url), _client(url)
+    try:
+        want = direct.chat.completions.create(model="demo_model", messages=CHAT, temperature=0)
+        got = routed.chat.completions.create(model="demo_model", messages=CHAT, temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content == "42"
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+
+        chunks = list(routed.chat.completions.create(model="demo_model", messages=CHAT, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "42" and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+        prompt = "Reverse the word: planet"
+        want_c = direct.completions.create(model="demo_model", prompt=prompt, max_tokens=12, temperature=0)
+        got_c = routed.completions.create(model="demo_model", prompt=prompt, max_tokens=12, temperature=0)
+        assert got_c.choices[0].text == want_c.choices[0].text
+    finally:
+        direct.close()
+        routed.close()
+    body = {"text": "What is 7 - 64?", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    want_g = httpx.post(replicas[1].url + "/generate", json=body, timeout=60).json()
+    got_g = httpx.post(url + "/generate", json=body, timeout=60).json()
+    assert got_g["output_ids"] == want_g["output_ids"] and got_g["text"] == want_g["text"]
+
+
+def test_cache_aware_policy_keeps_a_long_prompt_on_one_replica(fleet) -> None:
+    url, replicas, _ = fleet
+    words = " ".join(f"w{i}" for i in range(150))  # several 32-token blocks: cacheable
+    body = {"text": f"Remember these: {words}. What is 2 + 3?", "sampling_params": {"max_new_tokens": 4}}
+    first = httpx.post(url + "/generate", json=body, timeout=60).json()
+    again = httpx.post(url + "/generate", json=body, timeout=60).json()
+    assert first["meta_info"]["prompt_tokens"] > 96
+    # the repeat went where the prefix is cached: whole blocks of it were not recomputed
+    assert again["meta_info"]["cached_tokens"] >= 64, (first["meta_info"], again["meta_info"])
+    served = []
+    for r in replicas:
+        metrics = httpx.get(r.url + "/metrics", timeout=10).text
+        served.append(sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                          if line.startswith("sglang:cached_tokens_total")))
+    assert max(served) >= 64, served
+
+
+def test_sglang_fields_keep_their_meaning(fleet) -> None:
+    """What the router and SGLang clients add: no_stop_trim keeps the stop string, skip_special_tokens=false
+    shows EOS, return_text_in_logprobs fills the token texts, `model` on /generate must name the model, and
+    what redraft lacks is refused by name rather than ignored."""
+    url, replicas, _ = fleet
+    direct = replicas[0].url
+    base = {"model": "demo_model", "messages": CHAT, "temperature": 0}
+    kept = httpx.post(direct + "/v1/chat/completions", json={**base, "stop": ["2"], "no_stop_trim": True}).json()
+    trimmed = httpx.post(direct + "/v1/chat/completions", json={**base, "stop": ["2"]}).json()
+    assert trimmed["choices"][0]["message"]["content"] == "4"
+    assert kept["choices"][0]["message"]["content"] == "42"
+    special = httpx.post(direct + "/v1/completions", json={"prompt": "What is 12 + 30?", "max_tokens": 8,
+                                                           "temperature": 0, "skip_special_tokens": False,
+                                                           "ignore_eos": False}).json()
+    plain = httpx.post(direct + "/v1/completions", json={"prompt": "What is 12 + 30?", "max_tokens": 8,
+                                                         "temperature": 0}).json()
+    assert "<|endoftext|>" in special["choices"][0]["text"] and "<|" not in plain["choices"][0]["text"]
+    gen = httpx.post(url + "/generate", json={"text": "What is 12 + 30?", "model": "demo_model",
+                                              "return_logprob": True, "return_text_in_logprobs": True,
+                                              "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    for lp, tok, text in gen["meta_info"]["output_token_logprobs"]:
+        assert isinstance(text, str) and isinstance(tok, int) and lp <= 0
+    wrong = httpx.post(direct + "/generate", json={"text": "hi", "model": "gpt-4"})
+    assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+    for field in ("return_hidden_states", "background"):
+        r = httpx.post(direct + "/generate", json={"text": "hi", field: True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(direct + "/v1/chat/completions", json={**base, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    assert json.loads(json.dumps(gen))  # plain JSON all the way
