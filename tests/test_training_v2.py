@@ -128,3 +128,19 @@ def test_training_steps_with_windows_decrease_the_loss(trainer_v2) -> None:
         losses.append(trainer_v2.train_step(batch)["loss"])
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < first["loss"] - 0.3, (first["loss"], losses)
+
+
+def test_long_counts_widen_training_only() -> None:
+    """long_counts: train count problems with B - A in 3..64 (stop where the prompt says, not after a learnt
+    length); answers still right, the split still respected, and eval problems unchanged (10..40)."""
+    gen = TaskGenerator(3, "train", {"count": 1.0}, suite="v2", long_counts=0.5)
+    spans = []
+    for ex in gen.batch(600):
+        a, b = (int(x) for x in re.findall(r"\d+", ex.user))
+        assert ex.answer == " ".join(str(n) for n in range(a, b + 1))
+        assert split_of(ex.key, "count") == "train"
+        spans.append(b - a)
+    assert min(spans) < 10 and max(spans) > 40
+    held_out = TaskGenerator(3, "eval", {"count": 1.0}, suite="v2", long_counts=0.5).batch(200)
+    assert all(10 <= int(re.findall(r"\d+", ex.user)[1]) - int(re.findall(r"\d+", ex.user)[0]) <= 40
+               for ex in held_out)
