@@ -1,0 +1,133 @@
+"""Memory plan for serving a LLaDA2-MoE checkpoint with tensor parallelism (TP) and expert parallelism (EP = TP):
+weights per rank in bf16 and FP8, KV-cache bytes per token per rank, and how many tokens of KV fit next to the
+weights in a fraction of a GPU's memory. Computed from a config alone (no weights are read).
+
+    python -m redraft.clients.memory_plan                       # LLaDA2.1-mini and -flash, TP 1/2/4/8, H100 and H200
+    python -m redraft.clients.memory_plan --config path/to/config.json --tp 1 2
+
+The layout it assumes (the one docs/scaling.md describes): attention heads split over the TP ranks (KV heads
+too; with more ranks than KV heads each rank keeps one KV head, replicated), the dense MLP and the shared expert
+split column/row-wise, routed experts placed whole (EP = TP), embedding and lm_head split over the vocabulary,
+norms and the router replicated. FP8 is W8A8 block FP8 as redraft's Fp8Linear: every projection and expert
+weight at 1 byte plus one fp32 scale per 128 x 128 block; embeddings, lm_head, norms and the router stay bf16/fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 1024**3
+
+# From the published config.json files (shared/reference/llada2-facts.md).
+PRESETS: dict[str, dict[str, Any]] = {
+    "LLaDA2.1-mini": {"hidden_size": 2048, "num_hidden_layers": 20, "num_attention_heads": 16,
+                      "num_key_value_heads": 4, "head_dim": 128, "first_k_dense_replace": 1,
+                      "intermediate_size": 5120, "moe_intermediate_size": 512, "num_experts": 256,
+                      "num_shared_experts": 1, "vocab_size": 157184, "tie_word_embeddings": False},
+    "LLaDA2.1-flash": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "head_dim": 128, "first_k_dense_replace": 1,
+                       "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_experts": 256,
+                       "num_shared_experts": 1, "vocab_size": 157184, "tie_word_embeddings": False},
+}
+GPUS_GIB = {"H100": 80.0, "H200": 141.0}  # HBM per GPU (GiB as nvidia-smi's MiB / 1024, rounded)
+FP8_BLOCK = 128
+
+
+@dataclass
+class Parts:
+    """Parameter counts by how they shard."""
+
+    projections: int  # attention q/k/v/o, dense MLP, shared experts: split over TP, FP8-able
+    experts: int  # routed experts: placed whole over EP, FP8-able
+    vocab: int  # embedding + lm_head: split over the vocabulary, kept bf16
+    replicated: int  # norms, router (+ bias): on every rank
+
+    @property
+    def total(self) -> int:
+        return self.projections + self.experts + self.vocab + self.replicated
+
+
+def parameter_parts(cfg: dict[str, Any]) -> Parts:
+    h, layers, d = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dense_layers = min(cfg.get("first_k_dense_replace", 0), layers)
+    moe_layers = layers - dense_layers
+    e, im = cfg["num_experts"], cfg["moe_intermediate_size"]
+    attn = (hq + 2 * hkv) * d * h + h * hq * d
+    dense_mlp = 3 * h * cfg["intermediate_size"]
+    shared = 3 * h * im * cfg.get("num_shared_experts", 0)
+    projections = layers * attn + dense_layers * dense_mlp + moe_layers * shared
+    experts = moe_layers * e * 3 * h * im
+    vocab = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    norms = layers * (2 * h + 2 * d) + h  # input / post-attention norms, q/k norms, final norm
+    router = moe_layers * (e * h + e)
+    return Parts(projections, experts, vocab, norms + router)
+
+
+def _fp8_bytes(params: int) -> float:
+    return params * (1 + 4 / (FP8_BLOCK * FP8_BLOCK))  # 1 byte + an fp32 scale per 128 x 128 block
+
+
+def plan_row(cfg: dict[str, Any], tp: int, gpu_gib: float, fraction: float = 0.85) -> dict[str, float]:
+    """One layout: weights per rank (bf16, FP8), KV bytes per token per rank, tokens of KV that fit."""
+    p = parameter_parts(cfg)
+    if cfg["num_experts"] % tp:
+        raise ValueError(f"{cfg['num_experts']} experts do not split over {tp} ranks")
+    split = (p.projections + p.experts) / tp + p.vocab / tp
+    bf16 = (split + p.replicated) * 2
+    fp8 = _fp8_bytes((p.projections + p.experts) / tp) + p.vocab / tp * 2 + p.replicated * 2
+    kv_heads = max(1, math.ceil(cfg["num_key_value_heads"] / tp))  # more ranks than KV heads: replicate
+    kv_per_token = cfg["num_hidden_layers"] * 2 * kv_heads * cfg["head_dim"] * 2  # K and V, bf16
+    budget = gpu_gib * GIB * fraction
+    return {"tp": tp, "weights_bf16_gib": bf16 / GIB, "weights_fp8_gib": fp8 / GIB,
+            "kv_bytes_per_token": kv_per_token,
+            "kv_tokens_bf16": max(0.0, (budget - bf16) / kv_per_token),
+            "kv_tokens_fp8": max(0.0, (budget - fp8) / kv_per_token)}
+
+
+def _tokens(n: float) -> str:
+    if n <= 0:
+        return "does not fit"
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def markdown(name: str, cfg: dict[str, Any], tps: list[int], fraction: float) -> str:
+    p = parameter_parts(cfg)
+    lines = [f"**{name}**: {p.total / 1e9:.2f}B parameters ({p.experts / p.total:.0%} in routed experts), "
+             f"{p.total * 2 / GIB:.1f} GiB in bf16.", "",
+             "| TP (= EP) | weights/rank bf16 | weights/rank FP8 | KV bytes/token/rank | "
+             + " | ".join(f"KV tokens at {fraction:.2f} x {g} ({v:.0f} GiB), bf16 / FP8" for g, v in GPUS_GIB.items())
+             + " |",
+             "|---|---|---|---|" + "---|" * len(GPUS_GIB)]
+    for tp in tps:
+        rows = {g: plan_row(cfg, tp, v, fraction) for g, v in GPUS_GIB.items()}
+        r = next(iter(rows.values()))
+        lines.append(f"| {tp} | {r['weights_bf16_gib']:.1f} GiB | {r['weights_fp8_gib']:.1f} GiB | "
+                     f"{r['kv_bytes_per_token'] / 1024:.0f} KiB | "
+                     + " | ".join(f"{_tokens(x['kv_tokens_bf16'])} / {_tokens(x['kv_tokens_fp8'])}" for x in rows.values())
+                     + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m redraft.clients.memory_plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, action="append", help="a config.json (default: mini and flash)")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
+    args = ap.parse_args(argv)
+    models = ({str(c): json.loads(c.read_text()) for c in args.config} if args.config else PRESETS)
+    for name, cfg in models.items():
+        print(markdown(name, cfg, args.tp, args.fraction))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
