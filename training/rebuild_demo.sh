@@ -20,12 +20,23 @@ python -m redraft.training.export --run-dir runs/demo --out runs/demo_v1_export
 redraft eval-demo --model runs/demo_v1_export --plot docs/demo_eval.png
 
 # 4. v2 (multi-block answers: count, repeat, any function name; multi-block-editing windows for a quarter of the
-#    multi-block sequences): warm start from the v1 export, 1 thread, 12000 steps.
+#    multi-block sequences): warm start from the v1 export, 1 thread; the shipped run stopped at step 7081 of a
+#    12000-step schedule (math was still low at its high learning rate) and went on as stage 5.
 redraft train-demo --run-dir runs/demo_v2 --init-from runs/demo_v1_export --threads 1 --no-progress \
-    --steps 12000 --lr 1e-3 --curriculum-steps 3000 --eval-every 2000 \
+    --steps 12000 --stop-at 7081 --lr 1e-3 --curriculum-steps 3000 --eval-every 2000 \
     --set suite='"v2"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 \
     --set 'family_weights={"math": 1.2, "reverse": 0.8, "sort": 0.8, "code": 1.2, "chat": 0.6, "count": 1.6, "repeat": 1.3}'
+python -m redraft.training.export --run-dir runs/demo_v2 --out runs/demo_v2_step7081
 
-# 5. Export v2 into the package, then measure it.
-python -m redraft.training.export --run-dir runs/demo_v2 --out engine/demo_model
+# 5. Warm start from stage 4's export (weights only; number rows kept): a short schedule from a lower learning
+#    rate (exact sums need it small), math weighted up, and half the count problems of any length 3..64 (so the
+#    model stops where the prompt says, not after a length it learnt), 4000 steps.
+redraft train-demo --run-dir runs/demo_v2b --init-from runs/demo_v2_step7081 --threads 1 --no-progress \
+    --steps 4000 --lr 4e-4 --curriculum-steps 1 --eval-every 2000 \
+    --set suite='"v2"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 --set warmup_steps=100 \
+    --set number_init=false --set long_counts=0.5 \
+    --set 'family_weights={"math": 2.0, "reverse": 0.8, "sort": 0.8, "code": 1.0, "chat": 0.6, "count": 1.6, "repeat": 1.0}'
+
+# 6. Export v2 into the package, then measure it.
+python -m redraft.training.export --run-dir runs/demo_v2b --out engine/demo_model
 redraft eval-demo --plot docs/demo_eval.png
