@@ -84,7 +84,7 @@ def test_held_out_accuracy_per_family(engine, mode):
 
 def test_s_mode_fills_more_tokens_per_forward_than_q(engine):
     """S above Q overall. (Issue 14 also asks for S >= 1.5x Q on the multi-block families: the v2 model gives
-    1.02x there, with tokens per forward almost unchanged for thresholds from 0.1 to 0.9; README, not asserted.)"""
+    1.02x there, its tokens per forward hardly moving with the threshold; README, not asserted.)"""
     exs = eval_set(seed=4242, per_family=20, families=FAMILIES, suite=SUITE)
 
     def tpf(outs, keep) -> float:
