@@ -101,6 +101,12 @@ def test_dockerfile_contract(dockerfile):
             assert (ROOT / src).exists(), f"COPY {src}: no such path"
             assert not _dockerignored(src, ignore), f"COPY {src}: excluded by .dockerignore"
     assert "docker/requirements.txt" in {s for _, a in copies for s in a.split()[:-1]}
+    # every package directory of the distribution is in the image (a new one once was not: redraft.protocol)
+    mapping = re.search(r"^package-dir = \{(.*)\}$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    package_dirs = set(re.findall(r'= "([\w/]+)"', mapping))
+    assert {"engine", "protocol", "server", "redraft"} <= package_dirs
+    copied = {a.split()[0] for _, a in copies}
+    assert package_dirs <= copied, f"{dockerfile.name} does not COPY {sorted(package_dirs - copied)}"
 
 
 def test_requirements_pinned():
