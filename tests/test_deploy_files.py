@@ -109,6 +109,26 @@ def test_dockerfile_contract(dockerfile):
     assert package_dirs <= copied, f"{dockerfile.name} does not COPY {sorted(package_dirs - copied)}"
 
 
+ROUTER_DOCKERFILE = DOCKER / "Dockerfile.router"
+
+
+def test_router_dockerfile_lints_clean_and_pins_the_router():
+    res = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "info", str(ROUTER_DOCKERFILE)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ins = _instructions(ROUTER_DOCKERFILE)
+    base = next(a for k, a in ins if k == "FROM")
+    assert re.search(r":\d+(\.\d+)+", base), base
+    args = {a.split("=")[0]: a.split("=", 1)[1] for k, a in ins if k == "ARG" and "=" in a}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args.get("SGLANG_ROUTER_VERSION", "")), "pin the router"
+    from importlib.metadata import version
+
+    assert version("sglang-router") == args["SGLANG_ROUTER_VERSION"], "the image pins the router the tests ran"
+    user = [a for k, a in ins if k == "USER"]
+    assert user and re.fullmatch(r"[1-9]\d*(:\d+)?", user[-1]), user
+    assert "/health" in next(a for k, a in ins if k == "HEALTHCHECK")
+
+
 def test_requirements_pinned():
     lines = [ln.strip() for ln in (DOCKER / "requirements.txt").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
@@ -170,6 +190,30 @@ def test_compose_gpu_override():
     devices = redraft["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     assert "/models/LLaDA2.1-mini" in redraft["command"] and "cuda" in redraft["command"]
+
+
+def test_compose_router_in_front_of_replicas():
+    cfg = _compose_config("docker-compose.router.yml")
+    services = cfg["services"]
+    assert set(services) == {"router", "redraft-0", "redraft-1"}
+    router = services["router"]
+    assert router["build"]["dockerfile"] == "docker/Dockerfile.router"
+    cmd = router["command"]
+    urls = cmd[cmd.index("--worker-urls") + 1 :]
+    urls = urls[: next((i for i, a in enumerate(urls) if a.startswith("--")), len(urls))]
+    replicas = {name for name in services if name != "router"}
+    assert {u.split("//")[1].split(":")[0] for u in urls} == replicas  # every replica, by its service name
+    for name in replicas:
+        svc = services[name]
+        assert svc["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+        port = svc["command"][svc["command"].index("--port") + 1]
+        assert all(u.endswith(f":{port}") for u in urls)
+        assert not svc.get("ports"), "replicas are reached through the router only"
+        assert name in router["depends_on"]
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware"
+    for svc in services.values():
+        for p in svc.get("ports", []):
+            assert p.get("host_ip") == "127.0.0.1", p
 
 
 def test_compose_rejects_a_bad_file(tmp_path):
