@@ -364,3 +364,54 @@ def test_kubernetes_wiring():
     assert "serve" in args and "--host=0.0.0.0" in args and any(a.startswith("--domains=") for a in args)
     claim = next(v for v in pod["spec"]["volumes"] if v["name"] == "models")["persistentVolumeClaim"]["claimName"]
     assert claim == docs["PersistentVolumeClaim"]["metadata"]["name"]
+
+
+# ---- Kubernetes: the router in front of the replicas ----------------------------------------------------------
+K8S_ROUTER = DEPLOY / "k8s-router"
+
+
+def test_router_manifests_validate_and_wire_to_the_replicas():
+    import kubernetes_validate
+
+    docs = {d["kind"]: d for d in _load_all(K8S_ROUTER / "router.yaml")}
+    assert set(docs) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"}
+    for doc in docs.values():
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    pod = docs["Deployment"]["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    args = container["args"]
+    # discovery selects exactly the pods of deploy/k8s's redraft Deployment, on their serving port
+    sel = args[args.index("--selector") + 1 :]
+    sel = dict(a.split("=", 1) for a in sel[: next((i for i, a in enumerate(sel) if a.startswith("--")), len(sel))])
+    server = _k8s_docs()["Deployment"]
+    assert sel == server["spec"]["template"]["metadata"]["labels"]
+    server_port = next(p["containerPort"] for p in server["spec"]["template"]["spec"]["containers"][0]["ports"])
+    assert f"--service-discovery-port={server_port}" in args and "--service-discovery" in args
+    assert "--service-discovery-namespace=$(POD_NAMESPACE)" in args
+    assert any(e["name"] == "POD_NAMESPACE" for e in container["env"])
+    # the namespaced Role lets its ServiceAccount watch pods, and nothing else
+    assert pod["spec"]["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+    binding = docs["RoleBinding"]
+    assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
+    assert docs["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    # the router's pods are not workers of their own discovery, and its Service reaches them
+    labels = pod["metadata"]["labels"]
+    assert not sel.items() <= labels.items()
+    assert docs["Service"]["spec"]["selector"].items() <= labels.items()
+    names = {p["name"] for p in container["ports"]}
+    assert all(p["targetPort"] in names for p in docs["Service"]["spec"]["ports"])
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["image"] == "redraft-router:" + re.search(r"SGLANG_ROUTER_VERSION=(\S+)",
+                                                               ROUTER_DOCKERFILE.read_text()).group(1)
+
+
+def test_router_kustomize_builds():
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl is not installed")
+    res = subprocess.run([kubectl, "kustomize", str(K8S_ROUTER)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert sorted(d["kind"] for d in yaml.safe_load_all(res.stdout) if d) == \
+        ["Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
