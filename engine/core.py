@@ -99,11 +99,35 @@ class EngineCore:
         graph_bs = 0
         if on_gpu and args.kernel_backend == "triton" and not args.disable_cuda_graph:
             graph_bs = max(0, min(args.cuda_graph_max_bs, args.max_running_requests))
+        self._tp_workers = self._start_tensor_parallel(num_pages) if args.tp_size > 1 else []
+        if args.tp_size > 1:
+            graph_bs = 0  # a captured graph would skip the forward hooks that talk to the other ranks
         self.runner = ModelRunner(self.model, num_pages, args.max_running_requests, self.tokenizer.mask_token_id,
                                   self.tokenizer.eos_token_id, args.device, cuda_graph_max_bs=graph_bs)
         self._requests: dict[str, Request] = {}  # every request not yet reported finished
         self._timing: dict[str, _Timing] = {}
         self.num_forwards = 0
+
+    def _start_tensor_parallel(self, num_pages: int) -> list[Any]:
+        """Ranks 1..tp-1 in their own processes (engine/tensor_parallel.py); this process is rank 0."""
+        from redraft.engine import tensor_parallel as tp
+
+        args = self.args
+        tp.check_layout(self.model_config, args.tp_size, args.ep_size)
+        init_method = tp.free_init_method()
+        ctx = torch.multiprocessing.get_context("spawn")
+        workers = [ctx.Process(target=tp.worker_main, name=f"redraft-tp{rank}", daemon=True,
+                               args=(rank, args.tp_size, args.ep_size, args, init_method, num_pages,
+                                     args.max_running_requests))
+                   for rank in range(1, args.tp_size)]
+        for w in workers:
+            w.start()
+        tp.init(0, args.tp_size, args.device, init_method)
+        tp.shard_model_(self.model, 0, args.tp_size, args.ep_size)
+        tp.install_leader(self.model)
+        log.info("tensor parallel: %d ranks (expert parallel %d), %s", args.tp_size, args.ep_size,
+                 tp.backend_for(args.device))
+        return workers
 
     def _default_kv_tokens(self) -> int:
         per_token = ModelRunner.kv_bytes_per_token(self.model_config, resolve_dtype(self.args.resolved_dtype))
@@ -334,6 +358,13 @@ class EngineCore:
             self.scheduler.abort(rid)
         self.scheduler.drain_updates()
         self._requests.clear()
+        if getattr(self, "_tp_workers", None):
+            from redraft.engine.tensor_parallel import stop_workers
+
+            stop_workers()
+            for w in self._tp_workers:
+                w.join(timeout=30)
+            self._tp_workers = []
         self.runner = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
 

@@ -49,6 +49,10 @@ class ServerArgs:
     load_format: str = _opt("auto/safetensors: the checkpoint's weights; dummy: random weights of its shape",
                             choices=("auto", "safetensors", "dummy"), default="auto")
     seed: int = _opt("seed of load_format=dummy weights", cli="", default=0)
+    tp_size: int = _opt("tensor parallelism: engine processes (ranks) sharing each layer, one per GPU on cuda "
+                        "(gloo on cpu); docs/scaling.md", default=1, type=int)
+    ep_size: int = _opt("expert parallelism: 1 (experts split like the dense layers) or tp_size (whole experts "
+                        "placed on ranks)", default=1, type=int)
     # ---- memory and batching -------------------------------------------------------------------------
     max_total_tokens: int | None = _opt("KV cache capacity in tokens (default: sized for the device)", type=int)
     mem_fraction_static: float = _opt("GPU memory share for weights + KV cache", default=0.85, type=float)

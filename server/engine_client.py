@@ -126,7 +126,9 @@ class EngineClient:
             target=run_engine_process,
             args=(self.args, self._to_engine_addr, self._from_engine_addr),
             name="redraft-engine",
-            daemon=True,
+            # A daemonic process may not start processes: with tensor parallelism the engine starts its ranks.
+            # It still exits when this process goes (it watches its parent) and close() ends it.
+            daemon=self.args.tp_size == 1,
         )
         self.proc.start()
 

@@ -1,0 +1,95 @@
+"""Tensor and expert parallelism on CPU (gloo, 2 ranks in 2 processes): the same tokens as one process.
+
+Compared in float64, where the different summation order of the sharded matmuls and the all-reduce cannot flip a
+decision; every request of a mixed batch (S and Q, prompts ending mid-block and on a boundary, a multi-block
+editing window) must give the single process's output ids and step counts."""
+
+from __future__ import annotations
+
+import pytest
+
+import redraft
+from redraft.engine.tiny import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[20 + (7 * i + j) % 300 for i in range(n)] for j, n in enumerate([5, 31, 32, 70])]
+PARAMS = [{"max_new_tokens": 48, "temperature": 0.0, "mode": "S", "ignore_eos": True},
+          {"max_new_tokens": 40, "temperature": 0.0, "mode": "Q"},
+          {"max_new_tokens": 70, "temperature": 0.0, "mode": "S", "mbe_window": 2, "ignore_eos": True},
+          {"max_new_tokens": 33, "temperature": 0.8, "seed": 7, "mode": "Q"}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def single(ckpt):
+    eng = redraft.Engine(str(ckpt), dtype="float64", progress=False)
+    try:
+        yield eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["tp2", "tp2-ep2"])
+def test_two_ranks_give_the_single_process_tokens(ckpt, single, ep):
+    eng = redraft.Engine(str(ckpt), dtype="float64", progress=False, tp_size=2, ep_size=ep)
+    try:
+        cfg = eng.model_config
+        attn = eng.model.layers[0].attn
+        assert (attn.n_q, attn.n_kv) == (cfg.num_attention_heads // 2, cfg.num_key_value_heads // 2)
+        assert eng.runner.k_cache.shape[3] == cfg.num_key_value_heads // 2  # rank 0 caches only its KV heads
+        moe = eng.model.layers[1].mlp
+        assert moe.w13.shape[0] == (cfg.num_experts // 2 if ep == 2 else cfg.num_experts)
+        got = eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+        for k, (a, b) in enumerate(zip(single, got)):
+            assert (b["output_ids"], b["meta_info"]["steps"]) == (a["output_ids"], a["meta_info"]["steps"]), k
+        # a second batch on the same ranks (their KV caches and the prefix cache carried over)
+        again = eng.generate(input_ids=PROMPTS[:2], sampling_params=PARAMS[:2])
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in single[:2]]
+    finally:
+        eng.shutdown()
+
+
+def test_a_layout_the_model_cannot_take_is_refused(ckpt):
+    with pytest.raises(ValueError, match="tp_size 3 does not divide num_attention_heads"):
+        redraft.Engine(str(ckpt), dtype="float64", progress=False, tp_size=3)
+    with pytest.raises(ValueError, match="ep_size must be 1 or equal to tp_size"):
+        redraft.Engine(str(ckpt), dtype="float64", progress=False, tp_size=2, ep_size=4)
+
+
+def test_serve_with_two_ranks_answers_as_one_process_and_fails_fast_when_a_rank_dies(ckpt, single, tmp_path):
+    """`redraft serve --tp-size 2`: the single process's tokens over HTTP (plain and streamed); then rank 1 is
+    killed and the next request gets a 503 at once instead of hanging (no restarts allowed here)."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    from live_server import RedraftServer, child_pids, cmdline, still_running, proc_stat
+
+    srv = RedraftServer(ckpt, tmp_path, ["--tp-size", "2", "--dtype", "float64", "--engine-restarts", "0"])
+    srv.start()
+    try:
+        body = {"input_ids": PROMPTS[0], "sampling_params": PARAMS[0]}
+        r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["output_ids"] == single[0]["output_ids"], r.text[:300]
+        streamed = httpx.post(f"{srv.url}/generate", json={**body, "stream": True}, timeout=120)
+        assert streamed.status_code == 200 and "[DONE]" in streamed.text
+        engines = [p for p in child_pids(srv.proc.pid) if b"multiprocessing.spawn" in cmdline(p)]
+        assert len(engines) == 1, engines
+        ranks = [p for p in child_pids(engines[0]) if b"multiprocessing.spawn" in cmdline(p)]
+        assert len(ranks) == 1, ranks  # rank 1; the engine process is rank 0
+        start = proc_stat(ranks[0])[1]
+        os.kill(ranks[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/generate", json=body, timeout=60)
+        assert r.status_code == 503 and time.monotonic() - t0 < 30, r.text[:300]
+    finally:
+        srv.stop(check=False)  # it exits non-zero on purpose: its engine could not be restarted
+    assert not still_running(ranks[0], start)
+    assert not any(still_running(p, s) for p, s in srv.seen_descendants.items())
