@@ -80,6 +80,18 @@ def test_serve_with_two_ranks_answers_as_one_process_and_fails_fast_when_a_rank_
         assert r.status_code == 200 and r.json()["output_ids"] == single[0]["output_ids"], r.text[:300]
         streamed = httpx.post(f"{srv.url}/generate", json={**body, "stream": True}, timeout=120)
         assert streamed.status_code == 200 and "[DONE]" in streamed.text
+        # an aborted request ends at once, and the ranks go on in step with the next one
+        long = {"input_ids": PROMPTS[1], "rid": "tp-abort", "stream": True,
+                "sampling_params": {"max_new_tokens": 512, "temperature": 0.0, "ignore_eos": True}}
+        with httpx.stream("POST", f"{srv.url}/generate", json=long, timeout=120) as resp:
+            chunks = resp.iter_lines()
+            assert next(line for line in chunks if line.startswith("data:"))  # one committed block arrived
+            assert httpx.post(f"{srv.url}/abort_request", json={"rid": "tp-abort"}, timeout=30).status_code == 200
+            rest = list(chunks)
+        assert len([line for line in rest if line.startswith("data: {")]) < 15  # not the 16 blocks of 512 tokens
+        after = httpx.post(f"{srv.url}/generate", json={"input_ids": PROMPTS[1], "sampling_params": PARAMS[1]},
+                           timeout=120)
+        assert after.json()["output_ids"] == single[1]["output_ids"]
         engines = [p for p in child_pids(srv.proc.pid) if b"multiprocessing.spawn" in cmdline(p)]
         assert len(engines) == 1, engines
         ranks = [p for p in child_pids(engines[0]) if b"multiprocessing.spawn" in cmdline(p)]
