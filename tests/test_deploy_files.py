@@ -323,14 +323,19 @@ def test_operator_resources_validate_against_crd_models():
     assert docs["PrometheusRule"]["spec"]["groups"] == rules["groups"], "prometheusrule.yaml != alert_rules.yml"
 
 
-def test_kustomize_builds():
+def _kustomized_kinds(folder: Path) -> list[str]:
+    """The kinds `kubectl kustomize folder` builds, sorted (skipped without kubectl)."""
     kubectl = shutil.which("kubectl")
     if not kubectl:
         pytest.skip("kubectl is not installed")
-    res = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    kinds = sorted(d["kind"] for d in yaml.safe_load_all(res.stdout) if d)
-    assert kinds == ["Deployment", "PersistentVolumeClaim", "PrometheusRule", "Service", "ServiceMonitor"]
+    return sorted(d["kind"] for d in yaml.safe_load_all(res.stdout) if d)
+
+
+def test_kustomize_builds():
+    assert _kustomized_kinds(K8S) == ["Deployment", "PersistentVolumeClaim", "PrometheusRule", "Service",
+                                      "ServiceMonitor"]
 
 
 def test_kubernetes_wiring():
@@ -408,10 +413,4 @@ def test_router_manifests_validate_and_wire_to_the_replicas():
 
 
 def test_router_kustomize_builds():
-    kubectl = shutil.which("kubectl")
-    if not kubectl:
-        pytest.skip("kubectl is not installed")
-    res = subprocess.run([kubectl, "kustomize", str(K8S_ROUTER)], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert sorted(d["kind"] for d in yaml.safe_load_all(res.stdout) if d) == \
-        ["Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    assert _kustomized_kinds(K8S_ROUTER) == ["Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
