@@ -1,7 +1,7 @@
 """Tensor and expert parallelism on CPU (gloo, 2 ranks in 2 processes): the same tokens as one process.
 
 Compared in float64, where the different summation order of the sharded matmuls and the all-reduce cannot flip a
-decision; every request of a mixed batch (S and Q, prompts ending mid-block and on a boundary, a multi-block
+decision (and once in float32 on a checkpoint with wide decision margins); every request of a mixed batch (S and Q, prompts ending mid-block and on a boundary, a multi-block
 editing window) must give the single process's output ids and step counts."""
 
 from __future__ import annotations
@@ -52,6 +52,30 @@ def test_two_ranks_give_the_single_process_tokens(ckpt, single, ep):
         assert [o["output_ids"] for o in again] == [o["output_ids"] for o in single[:2]]
     finally:
         eng.shutdown()
+
+
+def test_float32_on_a_checkpoint_with_wide_margins(tmp_path):
+    """In float32 the sharded sums round differently; on a checkpoint whose logits are scaled up (every
+    decision far from a tie and from the thresholds: top-1 probabilities near 0 or 1) the tokens still match."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_checkpoint(tmp_path / "wide", seed=1)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 8.0
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    params = [{**p, "temperature": 0.0} for p in PARAMS]
+    one = redraft.Engine(str(path), dtype="float32", progress=False)
+    try:
+        want = one.generate(input_ids=PROMPTS, sampling_params=params)
+    finally:
+        one.shutdown()
+    two = redraft.Engine(str(path), dtype="float32", progress=False, tp_size=2, ep_size=2)
+    try:
+        got = two.generate(input_ids=PROMPTS, sampling_params=params)
+    finally:
+        two.shutdown()
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert len({t for o in want for t in o["output_ids"]}) > 5  # a real output, not one token repeated
 
 
 def test_a_layout_the_model_cannot_take_is_refused(ckpt):
