@@ -104,6 +104,10 @@ class EngineCore:
             graph_bs = 0  # a captured graph would skip the forward hooks that talk to the other ranks
         self.runner = ModelRunner(self.model, num_pages, args.max_running_requests, self.tokenizer.mask_token_id,
                                   self.tokenizer.eos_token_id, args.device, cuda_graph_max_bs=graph_bs)
+        if args.tp_size > 1:
+            from redraft.engine.tensor_parallel import log_rank_memory
+
+            log_rank_memory(0, self.model, self.runner.k_cache)
         self._requests: dict[str, Request] = {}  # every request not yet reported finished
         self._timing: dict[str, _Timing] = {}
         self.num_forwards = 0

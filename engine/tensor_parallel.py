@@ -84,6 +84,17 @@ def shard_model_(model: LLaDA2Model, rank: int, tp: int, ep: int) -> LLaDA2Model
     return model
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers a rank holds."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def log_rank_memory(rank: int, model: torch.nn.Module, k_cache: torch.Tensor) -> None:
+    kv = 2 * k_cache.numel() * k_cache.element_size()
+    log.info("rank %d holds %.1f MB of weights and %.1f MB of KV cache (%d KV heads)", rank,
+             weight_bytes(model) / 1e6, kv / 1e6, k_cache.shape[3])
+
+
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t.contiguous().clone(), requires_grad=False)
 
@@ -167,6 +178,7 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, num_pa
     from redraft.engine.defaults import resolve_model_path
     from redraft.engine.model_runner import ModelRunner
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     device = f"cuda:{rank}" if torch.device(args.device).type == "cuda" else args.device
@@ -177,6 +189,7 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, num_pa
     model.set_kernel_backend(args.kernel_backend)
     shard_model_(model, rank, tp, ep)
     runner = ModelRunner(model, num_pages, num_slots, 0, 0, device)
+    log_rank_memory(rank, model, runner.k_cache)
     with torch.inference_mode():
         while True:
             box: list[Any] = [None]

@@ -44,6 +44,11 @@ def test_two_ranks_give_the_single_process_tokens(ckpt, single, ep):
         assert eng.runner.k_cache.shape[3] == cfg.num_key_value_heads // 2  # rank 0 caches only its KV heads
         moe = eng.model.layers[1].mlp
         assert moe.w13.shape[0] == (cfg.num_experts // 2 if ep == 2 else cfg.num_experts)
+        from redraft.engine.tensor_parallel import weight_bytes
+
+        with redraft.Engine(str(ckpt), dtype="float64", progress=False) as whole:
+            full = weight_bytes(whole.model)
+        assert 0.4 * full < weight_bytes(eng.model) < 0.75 * full  # a shard, with the replicated parts
         got = eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)
         for k, (a, b) in enumerate(zip(single, got)):
             assert (b["output_ids"], b["meta_info"]["steps"]) == (a["output_ids"], a["meta_info"]["steps"]), k
