@@ -97,11 +97,10 @@ class EngineCore:
         ))
         on_gpu = torch.device(args.device).type == "cuda"
         graph_bs = 0
-        if on_gpu and args.kernel_backend == "triton" and not args.disable_cuda_graph:
+        # (not with tensor parallelism: a captured graph would skip the forward hooks that talk to the other ranks)
+        if on_gpu and args.kernel_backend == "triton" and not args.disable_cuda_graph and args.tp_size == 1:
             graph_bs = max(0, min(args.cuda_graph_max_bs, args.max_running_requests))
         self._tp_workers = self._start_tensor_parallel(num_pages) if args.tp_size > 1 else []
-        if args.tp_size > 1:
-            graph_bs = 0  # a captured graph would skip the forward hooks that talk to the other ranks
         self.runner = ModelRunner(self.model, num_pages, args.max_running_requests, self.tokenizer.mask_token_id,
                                   self.tokenizer.eos_token_id, args.device, cuda_graph_max_bs=graph_bs)
         if args.tp_size > 1:
@@ -276,8 +275,6 @@ class EngineCore:
         prefixes come from the radix cache where it has them, are computed block-causally (and cached) where
         not; each variant writes its own K/V to a scratch page, freed after. Runs between decode iterations.
         RequestRejected (503) when the KV cache cannot hold the work now."""
-        from redraft.engine.likelihood import Variant  # noqa: F401 - the type of `variants`
-
         b, mask = BLOCK_SIZE, self.tokenizer.mask_token_id
         vocab = self.model_config.vocab_size
         for seq in sequences:

@@ -82,14 +82,11 @@ class Engine:
                         ) -> list[tuple[float, list[tuple[int, float]]] | None]:
         """The staircase ("echo") value of every position from `start` (>= 1): log p(x_i | x_<i, positions
         i .. end of i's block masked), with the top_k alternatives of the same row; None before `start`."""
-        from redraft.engine.likelihood import staircase_variants
+        from redraft.engine.likelihood import staircase_values, staircase_variants
 
         ids = list(input_ids)
         variants = staircase_variants(0, len(ids), max(1, start), BLOCK_SIZE)
-        out: list = [None] * len(ids)
-        for v, row in zip(variants, self.core.score_variants([ids], variants, top_k)):
-            out[v.targets[0]] = row[0]
-        return out
+        return staircase_values(len(ids), variants, self.core.score_variants([ids], variants, top_k))
 
     def score(self, items: Sequence[tuple[Sequence[int], Sequence[int]]], estimator: str = "elbo",
               num_timesteps: int = 1, timestep_rule: str = "stratified", masking: str = "bernoulli",

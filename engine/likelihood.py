@@ -94,6 +94,14 @@ def staircase_variants(seq: int, length: int, first: int, block_size: int) -> li
     return out
 
 
+def staircase_values(length: int, variants: Sequence[Variant], rows: Sequence[Sequence]) -> list:
+    """Per position of a sequence of `length`: the row its staircase variant read (None where none ran)."""
+    out: list = [None] * length
+    for v, row in zip(variants, rows):
+        out[v.targets[0]] = row[0]
+    return out
+
+
 def timesteps(n: int, rule: str, seed: int) -> list[tuple[float, float]]:
     """(t_n, w_n) for n = 0..N-1: stratified, t_n = (n + 1 - u_n) / N with u_n = uniform(seed, -1, n), w = 1/N;
     or Gauss-Legendre nodes and weights on (0, 1]."""

@@ -65,7 +65,7 @@ class OutputStream:
     def meta_info(self) -> dict[str, Any]:
         """SGLang-style meta_info: the engine's figures, the finish, and the logprobs in SGLang's shapes
         (output_token_logprobs [[logprob, id, None], ...], output_top_logprobs [[[logprob, id, None], ...], ...];
-        the third element is SGLang's token text, not sent)."""
+        the third element is SGLang's token text: /generate fills it when asked, return_text_in_logprobs)."""
         meta: dict[str, Any] = {"id": self.rid, "finish_reason": self.finish_reason, **self.meta}
         meta["id"] = self.rid
         meta["finish_reason"] = self.finish_reason

@@ -161,9 +161,16 @@ def install_leader(model: LLaDA2Model) -> None:
     """Rank 0: every forward first sends its inputs to the other ranks, which run it too."""
     def send(module: torch.nn.Module, args: tuple) -> None:
         ids, meta = args[0], args[1]
-        dist.broadcast_object_list([("forward", ids.cpu(), meta)], src=0)
+        dist.broadcast_object_list([("forward", ids.cpu(), _tensors_to(meta, "cpu"))], src=0)
 
     model.register_forward_pre_hook(send)
+
+
+def _tensors_to(obj: Any, device: str | torch.device) -> Any:
+    """A dataclass (attention metadata) with its tensor fields on `device`: each rank reads its own copy."""
+    changes = {f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj)
+               if isinstance(getattr(obj, f.name), torch.Tensor)}
+    return dataclasses.replace(obj, **changes)
 
 
 def stop_workers() -> None:
@@ -197,6 +204,6 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, num_pa
             kind, ids, meta = box[0]
             if kind == STOP:
                 break
-            model(ids.to(device), meta, runner.k_cache, runner.v_cache)
+            model(ids.to(device), _tensors_to(meta, device), runner.k_cache, runner.v_cache)
     dist.destroy_process_group()
     os._exit(0)

@@ -123,7 +123,7 @@ class SamplingParams:
     stutter_penalty: float = 0.0  # >= 0: lowers the logit of the token the previous position holds
     frequency_penalty: float = 0.0  # -2..2, per occurrence in the committed output (OpenAI)
     presence_penalty: float = 0.0  # -2..2, once per token present in the committed output (OpenAI)
-    repetition_penalty: float = 1.0  # > 0, on tokens of the prompt or the committed output (HF / vLLM)
+    repetition_penalty: float = 1.0  # 0.01..100, on tokens of the prompt or the committed output (HF / vLLM)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100), at most 300 (OpenAI)
     min_tokens: int = 0  # no EOS / stop token before this many output tokens (vLLM)
     # Output text (SGLang's; the HTTP side's detokenizer applies them, the engine never sees them)

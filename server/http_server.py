@@ -46,7 +46,7 @@ class GenerateBody(BaseModel):
     stream: bool = False
     rid: str | None = None
     # SGLang's logprob fields: output logprobs (return_logprob), the prompt's from logprob_start_len (-1: none),
-    # top_logprobs_num alternatives at each position; token texts are not returned (the third entry is None)
+    # top_logprobs_num alternatives at each position; entries are [logprob, id, text], text None unless asked
     return_logprob: bool = False
     logprob_start_len: int = Field(default=-1, ge=-1)
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
@@ -213,11 +213,9 @@ def create_app(state: ServerState) -> FastAPI:
             return StreamingResponse(_native_sse(streams[0]), media_type="text/event-stream")
         outs = await run_until_disconnect(request, run_all(streams))
         results = [_native_payload(o, final=True) for o in outs]
-        for k, res in enumerate(results if input_lps is not None else []):
-            res["meta_info"]["input_token_logprobs"] = [[e[0] if e else None, t, None]
-                                                        for t, e in zip(prompts[k], input_lps[k])]
-            res["meta_info"]["input_top_logprobs"] = [[[v, a, None] for a, v in e[1]] if e else None
-                                                      for e in input_lps[k]]
+        for res, ids, lps in zip(results, prompts, input_lps or []):
+            res["meta_info"]["input_token_logprobs"] = [[e[0] if e else None, t, None] for t, e in zip(ids, lps)]
+            res["meta_info"]["input_top_logprobs"] = [[[v, a, None] for a, v in e[1]] if e else None for e in lps]
         if body.return_text_in_logprobs:
             for res in results:
                 _token_texts(res["meta_info"], state.tokenizer)

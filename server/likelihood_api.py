@@ -12,7 +12,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from redraft.engine.likelihood import elbo_plan, fill_terms, staircase_variants
+from redraft.engine.likelihood import elbo_plan, fill_terms, staircase_values, staircase_variants
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.server.common import APIError, ServerState, engine_error
@@ -28,10 +28,7 @@ async def prompt_logprobs(state: ServerState, ids: list[int], start: int, top_k:
         rows = await state.client.score([ids], variants, top_k) if variants else []
     except (EngineDead, EngineRejected) as exc:
         raise engine_error(exc, {"input_ids": "prompt"}) from exc
-    out: list = [None] * len(ids)
-    for v, row in zip(variants, rows):
-        out[v.targets[0]] = row[0]
-    return out
+    return staircase_values(len(ids), variants, rows)
 
 
 class Strict(BaseModel):

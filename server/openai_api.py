@@ -444,9 +444,11 @@ class CompletionFormatter:
                 p = i // n
                 prompt_text = self.echo_texts[p]
                 if lp is not None:
-                    echoed, length = self._echo_logprobs(p)
-                    lp = {key: echoed[key] + lp[key] for key in echoed}
-                    lp["text_offset"] = echoed["text_offset"] + [length + o for o in lp["text_offset"][len(echoed["tokens"]):]]
+                    echoed, length = self._echo_logprobs(p)  # the prompt's entries first, then the completion's
+                    lp = {"tokens": echoed["tokens"] + lp["tokens"],
+                          "token_logprobs": echoed["token_logprobs"] + lp["token_logprobs"],
+                          "top_logprobs": echoed["top_logprobs"] + lp["top_logprobs"],
+                          "text_offset": echoed["text_offset"] + [length + o for o in lp["text_offset"]]}
                 text = prompt_text + text
             reason = finish_reason(out) if out else "length"
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
