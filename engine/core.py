@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from redraft.engine.config import ModelConfig
+from redraft.engine.constrained import Constraint
 from redraft.engine.defaults import resolve_model_path
+from redraft.engine.grammar import GrammarError, Grammars
 from redraft.engine.loader import load_model, resolve_dtype
 from redraft.engine.model_runner import ModelRunner
 from redraft.engine.tokenizer import Tokenizer
@@ -107,6 +109,7 @@ class EngineCore:
             from redraft.engine.tensor_parallel import log_rank_memory
 
             log_rank_memory(0, self.model, self.runner.k_cache)
+        self._grammars: Grammars | None = None  # structured output's compiler, built on first use
         self._requests: dict[str, Request] = {}  # every request not yet reported finished
         self._timing: dict[str, _Timing] = {}
         self.num_forwards = 0
@@ -183,6 +186,8 @@ class EngineCore:
             resolved = _with_seed(resolved, secrets.randbits(62))
         req = Request(rid=rid, prompt_ids=ids, params=resolved, mask_id=mask_id,
                       eos_id=self.tokenizer.eos_token_id, edit_trace=[] if self.args.trace_edits else None)
+        if resolved.grammar is not None:
+            req.constraint = self._constraint(req)
         try:
             self.scheduler.add_request(req)
         except QueueFull as exc:
@@ -192,6 +197,18 @@ class EngineCore:
         self._requests[rid] = req
         self._timing[rid] = _Timing(time.monotonic())
         return Accepted(rid, resolved.mode, resolved.max_new_tokens)
+
+    def _constraint(self, req: Request) -> Constraint:
+        """The grammar state of a constrained request; RequestRejected naming the field when it does not compile."""
+        if self._grammars is None:  # built on first use: it reads the whole vocabulary
+            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
+        field, source = req.params.grammar
+        try:
+            matcher = self._grammars.matcher(field, source)
+        except GrammarError as exc:
+            raise RequestRejected(str(exc), param=exc.param) from exc
+        return Constraint(matcher, req.prompt_len, frozenset(req.stop_ids()), self.tokenizer.eos_token_id,
+                          self.model_config.vocab_size, self._grammars.closers)
 
     def abort(self, rid: str, finish: dict[str, Any] | None = None, keep_tokens: int | None = None) -> bool:
         """End a request (idempotent); `finish` and `keep_tokens` as in AbortReq."""
@@ -265,6 +282,10 @@ class EngineCore:
         }
         if req.edit_trace is not None:
             meta["edit_trace"] = [list(e) for e in req.edit_trace]
+        if isinstance(req.constraint, Constraint):
+            g = req.constraint.stats
+            meta["grammar"] = {"rejected": g.rejected, "remasked": g.remasked, "forced": g.forced,
+                               "seconds": g.seconds}
         return meta
 
     # ---- likelihoods (engine/likelihood.py) ----------------------------------------------------------

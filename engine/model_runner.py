@@ -12,11 +12,13 @@ decoding step. The step runs on [N, L] positions: every request's window, padded
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from redraft.engine.config import ModelConfig
+from redraft.engine.constrained import Constraint
 from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, joint_threshold_step
 from redraft.engine.logit_controls import LogitControls
 from redraft.engine.model import LLaDA2Model
@@ -28,6 +30,7 @@ from redraft.scheduler.scheduler import StepOutput, WorkItem
 log = logging.getLogger("redraft.runner")
 
 
+GRAMMAR_CANDIDATES = 8  # the model's top-k a rejected position may take an allowed token from
 LOGPROB_FLOOR = -9999.0  # OpenAI's value for "impossible": JSON has no -inf
 
 
@@ -138,6 +141,8 @@ class ModelRunner:
             num_pages, BLOCK_SIZE, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
         )
         self.graphs = None  # DecodeGraphs when the denoising step runs as CUDA graphs
+        self.grammar_seconds = 0.0  # host time in structured output's sweeps (engine/constrained.py), in total
+        self._bit_index = torch.arange(8, dtype=torch.uint8, device=self.device)
         self.graph_error: str | None = None  # why capture failed (the step then runs eagerly)
         if cuda_graph_max_bs > 0:
             if self.device.type != "cuda" or model.kernel_backend != "triton":
@@ -160,6 +165,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, items: list[WorkItem]) -> StepOutput:
         """One forward over every item's window, then the decoding step for the items that decode."""
+        for it in items:  # structured output: a block that (re)begins starts with what its grammar forces
+            c: Constraint | None = it.req.constraint  # type: ignore[assignment]
+            if c is not None and it.decodes and c.version != it.req.block_version:
+                b = self.block_size
+                c.begin_block(it.req.tokens, it.req.active_block * b, (it.req.active_block + 1) * b)
+                c.version = it.req.block_version
         batch = build_forward_batch(items, self.block_size)
         if self.graphs is not None and self.graphs.can_run(items):
             logits = self.graphs.run(batch)  # [N, B, V]: every item decodes its one active block
@@ -174,7 +185,11 @@ class ModelRunner:
         lens = [r.window_size * self.block_size for r in reqs]  # each window's positions
         if any(r.params.has_logit_controls for r in reqs):
             self.controls.apply(logits, reqs, self.slots.tokens[slots, : logits.shape[1]], self.mask_id)
+        constrained = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        before = self.slots.tokens[slots, : logits.shape[1]].clone() if constrained else None  # [N, L]
         result = self._step(logits, slots, reqs)
+        if constrained:
+            self._constrain(logits, slots, reqs, constrained, before, result, lens)
         # T2T edits in blocks before the active one (the last block of each window): multi-block edits
         before_active = torch.arange(logits.shape[1], device=self.device)[None, :] < \
             torch.tensor(lens, device=self.device)[:, None] - self.block_size
@@ -216,6 +231,44 @@ class ModelRunner:
         s.tokens[slots, :width] = result.tokens  # the window after this step: next step's input
         s.steps[slots] += 1
         return result
+
+    def _constrain(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request], rows: list[int],
+                   before: torch.Tensor, result: StepResult, lens: list[int]) -> None:
+        """Structured output: each constrained row's window goes through its grammar's frontier sweep
+        (engine/constrained.py), in place in `result` and the slot state. Reads only the row's own logits."""
+        t0 = time.perf_counter()
+        idx = torch.tensor(rows, device=self.device)
+        probs = torch.softmax(logits[idx].float(), -1)  # [n, L, V]: the step's distribution (no temperature)
+        cand_p, cand_i = probs.topk(min(GRAMMAR_CANDIDATES, probs.shape[-1]), -1)  # [n, L, k]
+        cand_p, cand_i = cand_p.tolist(), cand_i.tolist()
+        before_rows, after_rows = before[idx].tolist(), result.tokens[idx].tolist()
+        b = self.block_size
+        for j, i in enumerate(rows):
+            r, n = reqs[i], lens[i]
+            c: Constraint = r.constraint  # type: ignore[assignment]
+            fixed = c.sweep(r.window_start * b, before_rows[j][:n], after_rows[j][:n], self.mask_id,
+                            cand_i[j][:n], cand_p[j][:n], r.params.threshold,
+                            lambda pos, bitmask, row=i: self._masked_argmax(logits[row, pos], bitmask))
+            if fixed != after_rows[j][:n]:
+                result.tokens[i, :n] = torch.tensor(fixed, device=self.device)
+        # the counts of the changed rows, as joint_threshold_step defines them
+        masked = before[idx] == self.mask_id
+        placed = result.tokens[idx] != self.mask_id
+        result.m2t[idx] = masked & placed
+        result.t2t[idx] = ~masked & placed & (result.tokens[idx] != before[idx]) & self.slots.editable[slots[idx], : before.shape[1]]
+        self.slots.tokens[slots[idx], : before.shape[1]] = result.tokens[idx]
+        self.grammar_seconds += time.perf_counter() - t0
+
+    def _masked_argmax(self, row: torch.Tensor, bitmask: bytes) -> int:
+        """The highest-logit token among those `bitmask` allows (row: [V] logits of one position)."""
+        bits = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8).to(row.device)
+        allowed = ((bits[:, None] >> self._bit_index) & 1).bool().flatten()  # [8 * bytes]
+        v = row.shape[-1]
+        allowed = allowed[:v] if allowed.numel() >= v else torch.cat([allowed, allowed.new_zeros(v - allowed.numel())])
+        best = int(row.masked_fill(~allowed, float("-inf")).argmax())
+        if not allowed[best]:  # every allowed token has probability 0 (e.g. EOS under min_tokens): take the first
+            best = int(allowed.nonzero()[0])
+        return best
 
     @torch.inference_mode()
     def query_logprobs(self, queries: list[tuple[list[int], int, list[int]]], reads: list[list[tuple[int, int]]],

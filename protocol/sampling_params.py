@@ -20,6 +20,7 @@ Mode presets from the LLaDA2.1 model card (block 32, temperature 0):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
@@ -37,6 +38,7 @@ MAX_STOP_STRINGS = 4  # OpenAI's cap, on every route
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 INT64_MAX = 2**63 - 1
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark")  # structured output: the constraint fields
 
 # Level 4: what a request gets when no level names a value. max_new_tokens from here (or from any default
 # level) is capped by the context left after the prompt, so a default never makes a request too long.
@@ -129,6 +131,12 @@ class SamplingParams:
     # Output text (SGLang's; the HTTP side's detokenizer applies them, the engine never sees them)
     no_stop_trim: bool = False  # keep the matched stop string at the end of the text
     skip_special_tokens: bool = True  # False: special tokens appear in the text
+    # Structured output (SGLang's names, plus llguidance's Lark), at most one: the output must match it
+    # (engine/constrained.py). json_schema: the schema as JSON text (an object is accepted and serialised).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF, as SGLang and llama.cpp write it
+    lark: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -152,6 +160,8 @@ class SamplingParams:
                 raise SamplingParamsError(f"{key} must be a list", key)
             else:
                 values[key] = tuple(values[key])
+        if isinstance(values.get("json_schema"), (dict, bool)):
+            values["json_schema"] = json.dumps(values["json_schema"])
         if values.get("logit_bias") is not None:
             values["logit_bias"] = _logit_bias_pairs(values["logit_bias"])
         else:
@@ -201,6 +211,17 @@ class SamplingParams:
                 fail("logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]", "logit_bias")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             fail("min_tokens must be an integer >= 0", "min_tokens")
+        named = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        for name in named:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                fail(f"{name} must be a non-empty string", name)
+        if len(named) > 1:
+            fail(f"at most one of {', '.join(GRAMMAR_FIELDS)} may be set; got {', '.join(named)}", named[1])
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, source) of the request's output constraint, or None."""
+        return next(((n, getattr(self, n)) for n in GRAMMAR_FIELDS if getattr(self, n) is not None), None)
 
 
 def _logit_bias_pairs(raw: Any) -> tuple[tuple[int, float], ...]:
@@ -270,6 +291,7 @@ class ResolvedParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    grammar: tuple[str, str] | None = None  # (constraint field, source): structured output
 
     @property
     def wants_logprobs(self) -> bool:
@@ -339,4 +361,5 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
         repetition_penalty=float(params.repetition_penalty),
         logit_bias=tuple((t, float(b)) for t, b in params.logit_bias),
         min_tokens=params.min_tokens,
+        grammar=params.grammar,
     )

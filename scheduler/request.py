@@ -108,6 +108,9 @@ class Request:
     block_start_window: list[int] = field(default_factory=list)
     resume_block: int = 0
     window_logprobs: dict[int, tuple[list[float], list]] = field(default_factory=dict)
+    # Structured output: the engine's grammar state (engine/constrained.py Constraint), None when unconstrained.
+    # Opaque here: its frontier never passes a mask, so a block that ends mask-free has been validated whole.
+    constraint: object | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -244,7 +247,7 @@ class Request:
         # Only the window can hold a new stop token: an earlier one would have ended the request at its block.
         lo = max(self.prompt_len, self.window_start * self.block_size)
         hi = min((self.active_block + 1) * self.block_size, self.prompt_len + self.params.max_new_tokens)
-        stops = self._stop_ids()
+        stops = self.stop_ids()
         hit = next((i for i in range(lo, hi) if self.tokens[i] in stops), None)
         if hit is None and self.active_block < self.last_block:
             return None
@@ -254,7 +257,7 @@ class Request:
             return FinishReason("stop", matched=self.tokens[hit])
         return FinishReason("length")
 
-    def _stop_ids(self) -> set[int]:
+    def stop_ids(self) -> set[int]:
         p = self.params
         return set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_id})
 

@@ -24,6 +24,7 @@ from redraft.server.likelihood_api import prompt_logprobs
 from redraft.server.common import (APIError, ChoiceStream, ServerState, check_model, merge_updates, run_all,
                                    run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
+from redraft.server.structured import constraint_of
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 FINISH = {"stop": "stop", "length": "length"}  # OpenAI's values; an aborted request ends with an error instead
@@ -47,8 +48,9 @@ COMPLETION_PARAMS = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
 # ---- parameters ---------------------------------------------------------------------------------------
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, logprobs: bool, top_logprobs: int,
-                    choice: int) -> SamplingParams:
-    """The request's own values; whatever it leaves unset the engine resolves (sampling_params.resolve)."""
+                    choice: int, constraint: dict[str, str] | None = None) -> SamplingParams:
+    """The request's own values; whatever it leaves unset the engine resolves (sampling_params.resolve).
+    `constraint`: its structured-output field (server/structured.py constraint_of)."""
     raw: dict[str, Any] = {
         "max_new_tokens": req.requested_max_tokens,
         "temperature": req.temperature,
@@ -70,6 +72,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, logprobs:
         "logit_bias": req.logit_bias,
         "no_stop_trim": req.no_stop_trim,
         "skip_special_tokens": req.skip_special_tokens,
+        **(constraint or {}),
     }
     for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "stutter_penalty"):
         if getattr(req, name) is not None:
@@ -219,7 +222,9 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         except ChatTemplateError as exc:
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
         top = body.top_logprobs or 0
-        params = [sampling_params(body, logprobs=body.logprobs, top_logprobs=top, choice=i) for i in range(body.n)]
+        constraint = constraint_of(state, body)
+        params = [sampling_params(body, logprobs=body.logprobs, top_logprobs=top, choice=i, constraint=constraint)
+                  for i in range(body.n)]
         chat = ChatFormatter(state, f"chatcmpl-{rid}", body, len(ids), tools is not None)
         rids = [f"{rid}-{i}" for i in range(body.n)]
         streams = await start_streams(state, rids, [ids] * body.n, params, CHAT_PARAMS)
@@ -232,6 +237,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         check_model(state, body.model)
         validate(body)
         rid = request.state.request_id
+        constraint = constraint_of(state, body)
         prompts = await _completion_prompts(state, body.prompt)
         top = body.logprobs or 0
         all_prompts = [ids for ids in prompts for _ in range(body.n)]
@@ -247,8 +253,8 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
                               for p, ids in zip(_prompt_list(body.prompt), prompts)]
             if body.max_tokens == 0:
                 return fmt.response([None] * len(all_prompts))
-        params = [sampling_params(body, logprobs=body.logprobs is not None, top_logprobs=top, choice=i)
-                  for _ in prompts for i in range(body.n)]
+        params = [sampling_params(body, logprobs=body.logprobs is not None, top_logprobs=top, choice=i,
+                                  constraint=constraint) for _ in prompts for i in range(body.n)]
         rids = [f"{rid}-{i}" for i in range(len(all_prompts))]
         streams = await start_streams(state, rids, all_prompts, params, COMPLETION_PARAMS)
         if body.stream:

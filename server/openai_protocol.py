@@ -132,8 +132,18 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(Strict):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not (docs/structured-output.md)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(Strict):
@@ -158,6 +168,11 @@ class _Common(Strict):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int | None = Field(default=None, ge=0)
+    # structured output beyond response_format (SGLang's extras, and llguidance's Lark): docs/structured-output.md
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(default=None, min_length=1)
+    ebnf: str | None = Field(default=None, min_length=1)
+    lark: str | None = Field(default=None, min_length=1)
     stutter_penalty: float | None = Field(default=None, ge=0.0, le=100.0)
     # diffusion (extra_body)
     mode: Literal["S", "Q", "auto"] | None = None
@@ -210,7 +225,6 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False  # SGLang's / vLLM's; only false
 
@@ -222,8 +236,6 @@ class ChatCompletionRequest(_Common):
             raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs=true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise UnsupportedValue("tool_choice", "tool_choice needs tools")
-        if self.tool_choice == "required" or isinstance(self.tool_choice, ToolChoiceNamed):
-            raise UnsupportedValue("tool_choice", "tool_choice 'required' or a named function is not supported; use 'auto'")
 
     @property
     def requested_max_tokens(self) -> int | None:

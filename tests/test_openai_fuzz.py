@@ -89,6 +89,10 @@ def tighten(doc: dict) -> dict:
             top_k=int64_edges, seed=int64_edges,
             metadata={"type": "object", "properties": {"domain": {"type": "string", "maxLength": 16}},
                       "additionalProperties": False},
+            # structured output: short grammars, valid or not (a bad one must be a 400, never a 500)
+            regex={"type": "string", "minLength": 1, "maxLength": 12},
+            ebnf={"type": "string", "minLength": 1, "maxLength": 24},
+            lark={"type": "string", "minLength": 1, "maxLength": 24},
         )
     chat = s["ChatCompletionRequest"]["properties"]
     chat["messages"] = {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessage"}, "minItems": 1,

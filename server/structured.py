@@ -1,0 +1,68 @@
+"""Structured output on the OpenAI routes: `response_format`, the `regex` / `ebnf` / `lark` extras and a forced
+`tool_choice` become one constraint field of SamplingParams (the engine decodes it: engine/constrained.py).
+A constraint that does not compile is a 400 naming the request field that holds it, before any work."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from redraft.engine.grammar import GrammarError, Grammars, parse_schema, tool_call_lark
+from redraft.server.common import APIError, ServerState
+
+JSON_OBJECT_SCHEMA = {"type": "object"}
+
+
+def constraint_of(state: ServerState, body: Any) -> dict[str, str]:
+    """{SamplingParams field: source} for the body's constraint (empty when it has none); APIError when the
+    body asks for two, or for one that does not compile."""
+    found: list[tuple[str, str, Any]] = []  # (request field, SamplingParams field, source)
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", "json_schema", JSON_OBJECT_SCHEMA))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        found.append(("response_format", "json_schema", fmt.json_schema.schema_))
+    for name in ("regex", "ebnf", "lark"):
+        if getattr(body, name, None) is not None:
+            found.append((name, name, getattr(body, name)))
+    tools = getattr(body, "tools", None)
+    choice = getattr(body, "tool_choice", None)
+    if tools and (choice == "required" or (choice is not None and not isinstance(choice, str))):
+        found.append(("tool_choice", "lark", _tool_grammar(state, body)))
+    if not found:
+        return {}
+    if len(found) > 1:
+        names = ", ".join(f[0] for f in found)
+        raise APIError(400, f"a request may carry one output constraint; this one has {names}", param=found[1][0])
+    request_field, field, source = found[0]
+    try:
+        if field == "json_schema":
+            source = json.dumps(parse_schema(source, request_field))
+        grammars(state).compile(field, source)
+    except GrammarError as exc:
+        raise APIError(400, str(exc).replace(f"invalid {field}", f"invalid {request_field}", 1),
+                       param=request_field) from exc
+    return {field: source}
+
+
+def grammars(state: ServerState) -> Grammars:
+    """The HTTP process's grammar compiler (to validate; the engine builds its own to decode)."""
+    if getattr(state, "_grammars", None) is None:
+        state._grammars = Grammars.for_tokenizer(state.tokenizer, state.vocab_size)
+    return state._grammars
+
+
+def _tool_grammar(state: ServerState, body: Any) -> str:
+    tok = state.tokenizer
+    start, end = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+    if start is None or end is None:
+        raise APIError(400, "this model's tokenizer has no <tool_call> tokens: tool_choice 'required' or a named "
+                            "function cannot be enforced", param="tool_choice")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    name = None if isinstance(body.tool_choice, str) else body.tool_choice.function.name
+    try:
+        return tool_call_lark(tools, start, end, name=name, parallel=body.parallel_tool_calls is not False)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from exc
