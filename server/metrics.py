@@ -147,6 +147,15 @@ class ServerMetrics:
         self.edits = counter("redraft:edits", "Token-to-token edits (T2T) of finished requests.")
         self.mbe_edits = counter("redraft:mbe_edits", "T2T edits of finished requests that landed in an open block "
                                  "before the active one (multi-block editing).")
+        # structured output (engine/constrained.py), from finished constrained requests
+        self.constrained = counter("redraft:constrained_requests", "Finished requests whose output a grammar "
+                                   "constrained (json_schema, regex, ebnf, lark, forced tool calls).")
+        self.grammar_rejected = counter("redraft:grammar_rejected_tokens", "Tokens the model placed that the "
+                                        "grammar refused (they took an allowed candidate or were re-masked).")
+        self.grammar_remasked = counter("redraft:grammar_remasked_positions", "Positions the grammar put back to "
+                                        "MASK for a later forward.")
+        self.grammar_forced = counter("redraft:grammar_forced_tokens", "Tokens the grammar placed itself "
+                                      "(fast-forward of forced text, closing runs).")
         self.rejected = counter("redraft:rejected_requests", "Requests the engine refused at admission, by code.",
                                 ["model_name", "code"])
 
@@ -176,6 +185,7 @@ class ServerMetrics:
                 for metric in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
                                self.num_requests, self.num_aborted, self.forwards, self.tokens_committed,
                                self.blocks_committed, self.edits, self.mbe_edits, self.mbe_window, self.ttft, self.itl,
+                               self.constrained, self.grammar_rejected, self.grammar_remasked, self.grammar_forced,
                                self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward):
                     metric.labels(model_name, mode, domain)
         for code in ("queue_full", "invalid_request_error"):  # the engine's admission refusals
@@ -275,6 +285,12 @@ class ServerMetrics:
         self.mbe_edits.labels(*labels).inc(int(meta.get("mbe_edits", 0)))
         if meta.get("mbe_window"):
             self.mbe_window.labels(*labels).observe(int(meta["mbe_window"]))
+        grammar = meta.get("grammar")
+        if isinstance(grammar, dict):
+            self.constrained.labels(*labels).inc()
+            self.grammar_rejected.labels(*labels).inc(int(grammar.get("rejected", 0)))
+            self.grammar_remasked.labels(*labels).inc(int(grammar.get("remasked", 0)))
+            self.grammar_forced.labels(*labels).inc(int(grammar.get("forced", 0)))
         self.blocks_committed.labels(*labels).inc(int(meta.get("blocks", 0)))
         self.num_requests.labels(*labels).inc()
         aborted = (out.finish_reason or {}).get("type") == "abort"

@@ -151,6 +151,8 @@ def traffic(redraft_server, prometheus):
         extra = {"mode": mode, ("domain" if how == "domain" else "metadata"): (
             domain if how == "domain" else {"domain": domain})}
         messages = [{"role": "user", "content": f"Question {i} about {domain}: tell me something."}]
+        if i == 2:  # one constrained request: the structured-output counters
+            extra["response_format"] = {"type": "json_object"}
         if i % 2 == 0:  # streamed, with the usage chunk that carries the diffusion figures
             stream = client.chat.completions.create(model=model, messages=messages, max_tokens=48, stream=True,
                                                     stream_options={"include_usage": True}, extra_body=extra)
@@ -222,7 +224,9 @@ def test_exposition_lints_clean_but_for_sglang_colons(promtool, redraft_server, 
     unexpected = [ln for ln in problems if "metric names should not contain ':'" not in ln]
     assert not unexpected, "\n".join(unexpected)
     for name in ("redraft:forwards_total", "redraft:tokens_committed_total", "redraft:edits_total",
-                 "redraft:mbe_edits_total", "redraft:mbe_window_bucket",
+                 "redraft:mbe_edits_total", "redraft:mbe_window_bucket", "redraft:constrained_requests_total",
+                 "redraft:grammar_rejected_tokens_total", "redraft:grammar_remasked_positions_total",
+                 "redraft:grammar_forced_tokens_total",
                  "redraft:block_steps_bucket", "redraft:tokens_per_forward_bucket",
                  "sglang:time_to_first_token_seconds_bucket", "sglang:inter_token_latency_seconds_bucket",
                  "redraft:inter_block_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_bucket",
@@ -362,6 +366,14 @@ def test_collector_labels_and_per_block_figures():
     text = m.render().decode()
     assert set(re.findall(r'domain="([^"]*)"', text)) == {"code", "math", "other"}
     assert "_created" not in text
+    # structured output: a constrained request's grammar figures (engine/constrained.py GrammarStats)
+    assert _value(m, "redraft:constrained_requests_total", **s) == 0
+    m.on_submit("g", SamplingParams(mode="S", domain="math", regex="[0-9]+"))
+    m.on_message(Accepted("g", "S", 64))
+    m.on_message(_out("g", 3, steps=2, blocks=1, finished=True, grammar={"rejected": 5, "remasked": 2, "forced": 1}))
+    assert _value(m, "redraft:constrained_requests_total", **s) == 1
+    assert [_value(m, f"redraft:grammar_{k}_total", **s) for k in ("rejected_tokens", "remasked_positions",
+                                                                   "forced_tokens")] == [5, 2, 1]
 
 
 def test_collector_never_raises(monkeypatch):

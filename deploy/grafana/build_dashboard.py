@@ -66,6 +66,13 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
          "median multi-block-editing window of finished requests (1 = the official single-block loop).",
          [(rate("redraft:mbe_edits_total", "domain, mode"), "edits/s {{domain}} {{mode}}"),
           (quantile(0.5, "redraft:mbe_window", "mode"), "window p50 {{mode}}")], "timeseries"),
+        ("Structured output: grammar work per constrained request", "short",
+         "Per finished constrained request (redraft:constrained_requests_total): tokens the grammar refused, "
+         "positions it re-masked, and tokens it placed itself (forced text, closing runs).",
+         [(ratio("redraft:grammar_rejected_tokens_total", "redraft:constrained_requests_total", ""), "rejected"),
+          (ratio("redraft:grammar_remasked_positions_total", "redraft:constrained_requests_total", ""), "re-masked"),
+          (ratio("redraft:grammar_forced_tokens_total", "redraft:constrained_requests_total", ""), "forced")],
+         "timeseries"),
     ]),
     ("Latency", [
         ("Time to first token (first committed block)", "s",
