@@ -201,7 +201,10 @@ class EngineCore:
     def _constraint(self, req: Request) -> Constraint:
         """The grammar state of a constrained request; RequestRejected naming the field when it does not compile."""
         if self._grammars is None:  # built on first use: it reads the whole vocabulary
+            t0 = time.perf_counter()
             self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
+            log.info("structured output: grammar compiler ready (%d closer tokens) in %.2fs",
+                     len(self._grammars.closers), time.perf_counter() - t0)
         field, source = req.params.grammar
         try:
             matcher = self._grammars.matcher(field, source)

@@ -144,3 +144,63 @@ def test_long_counts_widen_training_only() -> None:
     held_out = TaskGenerator(3, "eval", {"count": 1.0}, suite="v2", long_counts=0.5).batch(200)
     assert all(10 <= int(re.findall(r"\d+", ex.user)[1]) - int(re.findall(r"\d+", ex.user)[0]) <= 40
                for ex in held_out)
+
+
+# ----- suite v3: structured output (json, tool calls) --------------------------------------------------------
+def test_v3_json_and_tool_answers_are_what_the_template_renders_and_held_out_like_math() -> None:
+    from redraft.engine.tokenizer import Tokenizer
+    from redraft.engine.defaults import BUNDLED_MODEL_DIR
+
+    tok = Tokenizer.from_pretrained(BUNDLED_MODEL_DIR)
+    assert tasks.SUITES["v3"] == (*FAMILIES_V2, "json", "tool")
+    rng = random.Random(7)
+    for split in ("train", "eval"):
+        for family in ("json", "tool"):
+            for i in range(40):
+                ex = sample(family, split, rng, suite="v3")
+                a, op, b = tasks.parse_math(ex.user.removesuffix(" Answer in JSON."))
+                assert split_of(ex.key, family) == split == split_of(ex.key, "math")  # math's held-out rule
+                assert ex.key == tasks.make_math(a, op, b).key
+                value = a + b if op == "+" else a - b
+                if family == "json":
+                    assert ex.user.endswith(" Answer in JSON.") and ex.answer == f'{{"answer":{value}}}'
+                    assert ex.tools == ()
+                    continue
+                name = {"+": "add", "-": "subtract"}[op]
+                assert ex.tool_list() == [tasks.ADD_TOOL, tasks.SUB_TOOL]
+                assert tasks.ADD_TOOL["function"]["description"] == "Add two integers."
+                assert tasks.SUB_TOOL["function"]["description"] == "Subtract b from a."
+                prompt = tasks.render_prompt(ex, tok)
+                assert "<tools>" in prompt and prompt == tasks.render_prompt(ex)
+                if i < 5:  # the answer is the template's rendering of the assistant's tool call
+                    call = {"type": "function", "function": {"name": name, "arguments": {"a": a, "b": b}}}
+                    full = tok.apply_chat_template(
+                        [*ex.messages(), {"role": "assistant", "content": "", "tool_calls": [call]}],
+                        tools=ex.tool_list(), add_generation_prompt=False)
+                    assert full == prompt + ex.answer + "<|role_end|>"
+                ids = tok.encode(ex.answer)
+                assert ids[0] == tok.token_to_id("<tool_call>") == 8 and ids[-1] == tok.token_to_id("</tool_call>") == 9
+    held = {ex.key for ex in eval_set(3, 100, ("math",), suite="v3")}
+    gen = TaskGenerator(4, "train", suite="v3", weights={"json": 1.0, "tool": 1.0})
+    assert not any(ex.key in held for ex in gen.batch(3000))
+
+
+def test_v3_is_correct_parses_json_and_tool_calls() -> None:
+    ex = tasks.make_json(12, "-", 30)
+    assert tasks.is_correct(ex, '{"answer":-18}') and tasks.is_correct(ex, ' { "answer": -18 }\n')
+    for wrong in ('{"answer":-17}', '{"answer":"-18"}', '{"answer":-18.0}', '{"answer":-18,"x":1}', "-18",
+                  '{"answer":-18'):
+        assert not tasks.is_correct(ex, wrong), wrong
+    ex = tasks.make_tool(31, "-", 4)
+    body = '{"name": "subtract", "arguments": {"a": 31, "b": 4}}'
+    assert ex.answer == f"<tool_call>{body}</tool_call>"
+    assert tasks.is_correct(ex, ex.answer) and tasks.is_correct(ex, body)  # special tokens kept or skipped
+    assert tasks.is_correct(ex, '{"name":"subtract","arguments":{"b":4,"a":31}}')
+    for wrong in ('{"name": "add", "arguments": {"a": 31, "b": 4}}', '{"name": "subtract", "arguments": {"a": 4, "b": 31}}',
+                  '{"name": "subtract", "arguments": {"a": 31, "b": 5}}', '{"name": "subtract", "arguments": {"a": 31}}',
+                  '{"name": "subtract", "arguments": {"a": 31, "b": true}}', "27", '<tool_call>{"name": "subtract"'):
+        assert not tasks.is_correct(ex, wrong), wrong
+    ex = tasks.make_tool(12, "+", 7)
+    assert tasks.is_correct(ex, '{"name": "add", "arguments": {"a": 12, "b": 7}}')
+    assert tasks.is_correct(ex, '{"name": "add", "arguments": {"a": 7, "b": 12}}')  # add commutes
+    assert not tasks.is_correct(ex, '{"name": "add", "arguments": {"a": 12, "b": 8}}')

@@ -40,7 +40,7 @@ MODE_PARAMS: dict[str, dict[str, Any]] = {
 }
 ALL_MODES = ["Q", "S", "S-noedit", "Q-noedit"]
 MBE_MODES = ["S-W2", "S-W3", "Q-W2", "Q-W3"]
-MAX_NEW_TOKENS = {"v1": 64, "v2": 128}  # v2: count and repeat answers run to ~100 tokens
+MAX_NEW_TOKENS = {"v1": 64, "v2": 128, "v3": 128}  # v2: count and repeat answers run to ~100 tokens
 
 
 def model_suite(model_dir: str | Path) -> str:
@@ -71,7 +71,8 @@ def classify_edits(trace: list[list[int]], output_ids: list[int], references: li
 
 
 def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000,
-             max_new_tokens: int | None = None, threads: int = 1, suite: str | None = None) -> dict[str, Any]:
+             max_new_tokens: int | None = None, threads: int = 1, suite: str | None = None,
+             families: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from redraft.engine.engine import Engine
@@ -80,6 +81,11 @@ def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000
     suite = suite or model_suite(model_dir)
     max_new_tokens = max_new_tokens or MAX_NEW_TOKENS[suite]
     exs = eval_set(seed, per_family, SUITES[suite], suite=suite)
+    if families:  # a subset: the same problems as the whole suite's draw, for comparison
+        unknown = sorted(set(families) - set(SUITES[suite]))
+        if unknown:
+            raise ValueError(f"families {unknown} are not in suite {suite!r}: {SUITES[suite]}")
+        exs = [ex for ex in exs if ex.family in families]
     engine = Engine(model_dir, device="cpu", dtype="float32", max_total_tokens=64 * 1024, progress=False,
                     trace_edits=True)
     try:
@@ -189,9 +195,11 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--per-family", type=int, default=200)
     p.add_argument("--modes", nargs="+", default=None, choices=list(MODE_PARAMS),
-                   help="settings to run (default: Q S S-noedit Q-noedit, plus S-W2 S-W3 Q-W2 Q-W3 for suite v2)")
+                   help="settings to run (default: Q S S-noedit Q-noedit, plus S-W2 S-W3 Q-W2 Q-W3 for suites v2, v3)")
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
                    help="task suite (default: the one the checkpoint was trained on, else v1)")
+    p.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
+                   help="evaluate only these families of the suite (the problems are those of the whole suite's draw)")
     p.add_argument("--seed", type=int, default=1000, help="seed of the held-out problem draw")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--format", choices=["table", "json"], default=default_format,
@@ -207,8 +215,11 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
             p.error(f"no bundled demo model in this install ({BUNDLED_MODEL_DIR}); pass --model DIR")
         model = str(BUNDLED_MODEL_DIR)
     suite = args.suite or model_suite(model)
-    modes = args.modes or (ALL_MODES + (MBE_MODES if suite == "v2" else []))
-    result = evaluate(model, args.per_family, modes, args.seed, threads=args.threads, suite=suite)
+    modes = args.modes or (ALL_MODES + (MBE_MODES if suite in ("v2", "v3") else []))
+    if args.families and set(args.families) - set(SUITES[suite]):
+        p.error(f"--families must be among suite {suite}'s: {' '.join(SUITES[suite])}")
+    result = evaluate(model, args.per_family, modes, args.seed, threads=args.threads, suite=suite,
+                      families=args.families)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.format == "json":

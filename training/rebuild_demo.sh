@@ -40,3 +40,15 @@ redraft train-demo --run-dir runs/demo_v2b --init-from runs/demo_v2_step7081 --t
 # 6. Export v2 into the package, then measure it.
 python -m redraft.training.export --run-dir runs/demo_v2b --out engine/demo_model
 redraft eval-demo --plot docs/demo_eval.png
+
+# 7. v3 (structured output: json answers and tool calls, training/tasks.py suite v3): warm start from the v2 export,
+#    old families kept at stage 5's weights, json and tool at 1.5 each. The run was started with --steps 2000, at
+#    5 s a step (a tool prompt, with its two tool schemas, is 614 tokens), stopped at step 46 (still in the
+#    100-step warm-up, which does not depend on --steps) and resumed with --steps 500: the same schedule as this.
+redraft train-demo --run-dir runs/demo_v3 --init-from engine/demo_model --threads 1 --no-progress \
+    --steps 500 --lr 3e-4 --curriculum-steps 1 --eval-every 1000 \
+    --set suite='"v3"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 --set warmup_steps=100 \
+    --set number_init=false --set long_counts=0.5 \
+    --set 'family_weights={"math": 2.0, "reverse": 0.8, "sort": 0.8, "code": 1.0, "chat": 0.6, "count": 1.6, "repeat": 1.0, "json": 1.5, "tool": 1.5}'
+python -m redraft.training.export --run-dir runs/demo_v3 --out runs/demo_v3_export
+redraft eval-demo --model runs/demo_v3_export

@@ -17,11 +17,17 @@ v2 only:
 - code:    as above, the name any snake_case name of one or two parts of 3..8 random letters (30% list words)
 - count:   `Count from A to B.`, A in 0..899, B - A in 10..40 -> `A A+1 ... B` (2-4 blocks)
 - repeat:  `Repeat the word W N times.`, W of 3..7 random letters, N in 4..12 -> W N times, space-separated
+v3 (structured output; every v2 family plus):
+- json:    a math problem + ` Answer in JSON.` -> `{"answer":42}` (compact)
+- tool:    a math problem in a chat with the tools `add` and `subtract` (rendered into the prompt by the chat
+           template) -> `<tool_call>{"name": "add", "arguments": {"a": 12, "b": 7}}</tool_call>`, exactly what
+           the template's render_tool_call writes for that call (`<tool_call>`, `</tool_call>` are special tokens)
 
 Train and eval are disjoint by construction: a problem's canonical key (the problem up to trivial rewrites:
 `A + B` and `B + A` share one key, so do the permutations of a list to sort, and the three answers of a chat
 prompt) is hashed, and the hash alone decides its split. A generator for one split rejects the other's
-problems, so no eval problem ever appears in training, whatever the seed. In v2 the code key is the function
+problems, so no eval problem ever appears in training, whatever the seed. json and tool problems have the
+math problem's key (and its eval share), so a held-out math problem is held out in all three. In v2 the code key is the function
 name alone and the repeat key the word alone: a held-out name or word never appears in training at all.
 
 A curriculum `level` in [0, 1] shrinks the problems (small operands, short words and lists, one-word
@@ -40,14 +46,15 @@ from typing import Any
 
 FAMILIES: tuple[str, ...] = ("math", "reverse", "sort", "code", "chat")
 FAMILIES_V2: tuple[str, ...] = (*FAMILIES, "count", "repeat")
-SUITES: dict[str, tuple[str, ...]] = {"v1": FAMILIES, "v2": FAMILIES_V2}
+FAMILIES_V3: tuple[str, ...] = (*FAMILIES_V2, "json", "tool")
+SUITES: dict[str, tuple[str, ...]] = {"v1": FAMILIES, "v2": FAMILIES_V2, "v3": FAMILIES_V3}
 MULTI_BLOCK_FAMILIES: tuple[str, ...] = ("count", "repeat")
 SPLITS: tuple[str, ...] = ("train", "eval")
 
 # Fraction of each family's problems that belong to eval. Chat has only as many problems as animals, so it
 # keeps a larger share back (a held-out animal is a name the model must copy without having seen it asked).
 EVAL_FRACTION: dict[str, float] = {"math": 0.1, "reverse": 0.1, "sort": 0.1, "code": 0.1, "chat": 0.2,
-                                   "count": 0.1, "repeat": 0.1}
+                                   "count": 0.1, "repeat": 0.1, "json": 0.1, "tool": 0.1}
 _SPLIT_SALT = "redraft-demo-tasks-v1"
 
 # 120 words for function names (lowercase, no underscore: names join one or two of them with "_").
@@ -98,6 +105,19 @@ CHAT_TEMPLATES: tuple[str, ...] = (
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
+# The tools of the v3 tool family (OpenAI / Hugging Face function format).
+ADD_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+SUB_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "subtract", "description": "Subtract b from a.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+MATH_TOOLS: tuple[dict[str, Any], ...] = (ADD_TOOL, SUB_TOOL)
+TOOL_NAMES: dict[str, str] = {"+": "add", "-": "subtract"}
+JSON_SUFFIX = " Answer in JSON."
+
 
 @dataclass(frozen=True)
 class Example:
@@ -106,12 +126,17 @@ class Example:
     answer: str  # the assistant turn used as the training target
     answers: tuple[str, ...]  # every correct answer (answer is one of them)
     key: str  # canonical problem: decides the split
+    tools: tuple[dict[str, Any], ...] = ()  # tools offered in the chat (the prompt renders them), if any
 
     def messages(self, with_answer: bool = False) -> list[dict[str, str]]:
         msgs = [{"role": "user", "content": self.user}]
         if with_answer:
             msgs.append({"role": "assistant", "content": self.answer})
         return msgs
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The `tools` argument of the chat template: None without tools."""
+        return [dict(t) for t in self.tools] or None
 
 
 def split_of(key: str, family: str) -> str:
@@ -122,8 +147,49 @@ def split_of(key: str, family: str) -> str:
 
 
 def is_correct(example: Example, output_text: str) -> bool:
-    """Exact match against any correct answer (surrounding whitespace ignored)."""
+    """Exact match against any correct answer (surrounding whitespace ignored); json and tool by parsing.
+
+    json: the output parses (json.loads) to exactly {"answer": N}, N an int. tool: the output is one call,
+    `<tool_call>{...}</tool_call>` or, as the engine returns it by default (special tokens skipped), the JSON
+    object alone, parsing to exactly {"name": the tool, "arguments": {"a": A, "b": B}} with the problem's
+    operands (for add, either order)."""
+    if example.family == "json":
+        return _json_value(output_text) == {"answer": _int_answer(example)}
+    if example.family == "tool":
+        text = output_text.strip()
+        if text.startswith("<tool_call>") and text.endswith("</tool_call>"):
+            text = text[len("<tool_call>"):-len("</tool_call>")]
+        got = _json_value(text)
+        a, op, b = parse_math(example.user)
+        ok = [{"name": TOOL_NAMES[op], "arguments": {"a": a, "b": b}}]
+        if op == "+":
+            ok.append({"name": "add", "arguments": {"a": b, "b": a}})
+        return got in ok
     return output_text.strip() in example.answers
+
+
+def _int_answer(example: Example) -> int:
+    a, op, b = parse_math(example.user.removesuffix(JSON_SUFFIX))
+    return a + b if op == "+" else a - b
+
+
+def _json_value(text: str) -> Any:
+    """json.loads(text), with non-int numbers and bools made unequal to ints (5.0 == 5 and True == 1 in Python)."""
+    import json
+
+    def strict(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strict(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [strict(v) for v in value]
+        if isinstance(value, (bool, float)):
+            return repr(value)  # never equal to an int
+        return value
+
+    try:
+        return strict(json.loads(text))
+    except ValueError:
+        return None
 
 
 # ----- one problem per family ------------------------------------------------------------------------
@@ -167,6 +233,27 @@ def make_repeat(word: str, n: int) -> Example:
     return Example("repeat", f"Repeat the word {word} {n} times.", answer, (answer,), f"repeat-word|{word}")
 
 
+def make_json(a: int, op: str, b: int) -> Example:
+    """v3: the math problem, answered as compact JSON; the math problem's key, so the same split."""
+    m = make_math(a, op, b)
+    answer = '{"answer":' + m.answer + "}"
+    return Example("json", m.user + JSON_SUFFIX, answer, (answer,), m.key)
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """What engine/templates/llada2_chat.jinja's render_tool_call writes for one call (tests check it is)."""
+    import json
+
+    return '<tool_call>{"name": ' + json.dumps(name) + ', "arguments": ' + json.dumps(arguments) + "}</tool_call>"
+
+
+def make_tool(a: int, op: str, b: int) -> Example:
+    """v3: the math problem with the add and subtract tools offered; the answer calls the right one."""
+    m = make_math(a, op, b)
+    answer = tool_call_text(TOOL_NAMES[op], {"a": a, "b": b})
+    return Example("tool", m.user, answer, (answer,), m.key, tools=MATH_TOOLS)
+
+
 def make_chat(animal: str, template: int) -> Example:
     answers = tuple(t.format(x=animal) for t in CHAT_TEMPLATES)
     return Example("chat", f"Tell me about the {animal}.", answers[template], answers, f"chat|{animal}")
@@ -179,7 +266,11 @@ def _letters(rng: random.Random, lo: int, hi: int) -> str:
 
 def _draw(family: str, rng: random.Random, level: float, suite: str = "v1") -> Example:
     """One problem of `family` at curriculum `level` (1.0 = the full distribution), either split."""
-    if suite == "v2":
+    if family in ("json", "tool"):
+        m = _draw("math", rng, level)
+        a, op, b = parse_math(m.user)
+        return (make_json if family == "json" else make_tool)(a, op, b)
+    if suite in ("v2", "v3"):
         if family == "code":
             parts = 1 + (rng.random() < 0.5 * level)
             longest = 3 + round(5 * level)
@@ -312,16 +403,18 @@ def eval_animals() -> list[str]:
 
 # ----- rendering ---------------------------------------------------------------------------------------
 def render_prompt(example: Example, tokenizer: Any | None = None) -> str:
-    """The prompt text: the user turn through the LLaDA2 chat template, with the assistant turn opened.
+    """The prompt text: the user turn (and the example's tools, if any) through the LLaDA2 chat template, with
+    the assistant turn opened.
 
     With a `redraft.engine.tokenizer.Tokenizer`, its own (checkpoint) template renders it; without one, the
     LLaDA2 template redraft ships (the one the demo checkpoint carries).
     """
     if tokenizer is not None:
-        return tokenizer.apply_chat_template(example.messages(), add_generation_prompt=True)
+        return tokenizer.apply_chat_template(example.messages(), tools=example.tool_list(), add_generation_prompt=True)
     from redraft.engine.tokenizer import EOS_TOKEN, MASK_TOKEN, render_chat_template
 
-    return render_chat_template(_default_template(), example.messages(), add_generation_prompt=True,
+    return render_chat_template(_default_template(), example.messages(), tools=example.tool_list(),
+                                add_generation_prompt=True,
                                 bos_token="", eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, mask_token=MASK_TOKEN)
 
 
