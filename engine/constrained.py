@@ -60,6 +60,7 @@ class Constraint:
         self.frontier = prompt_len
         self.consumed: list[int] = []  # == tokens[prompt_len:frontier], up to done_at
         self.done_at: int | None = None
+        self.stop_placed = False  # done_at holds a stop token (else the grammar ended with none to place: ignore_eos)
         self.version = -1  # the Request.block_version the state was last synced to
         self.stats = GrammarStats()
 
@@ -75,7 +76,7 @@ class Constraint:
         start = max(block_start, self.prompt_len)
         if self.done_at is not None and self.done_at < start:
             return  # the grammar ended in a committed block: nothing to redo
-        self.done_at = None
+        self.done_at, self.stop_placed = None, False
         target = tokens[self.prompt_len : start]
         common = 0
         while common < min(len(target), len(self.consumed)) and target[common] == self.consumed[common]:
@@ -126,7 +127,7 @@ class Constraint:
         if not ok:
             return False
         if stop is not None:
-            self.done_at = pos
+            self.done_at, self.stop_placed = pos, True
         else:
             self._take([token])
         return True
@@ -181,7 +182,7 @@ class Constraint:
         out[i : i + len(run)] = run
         self._take(run)
         out[i + len(run)] = stop
-        self.done_at = ws + i + len(run)
+        self.done_at, self.stop_placed = ws + i + len(run), True
         return True
 
     # ---- the sweep ----------------------------------------------------------------------------------
@@ -202,9 +203,9 @@ class Constraint:
     def _keep_valid_edits(self, ws: int, before: list[int], out: list[int]) -> None:
         """Step 1: T2T edits in the grammar's text (behind the frontier, or through the stop token once the
         grammar has ended), left to right, each kept only if the text through its end still validates with it
-        and the edits kept before it. The stop token itself stays (or becomes another stop token)."""
-        stop_at = None if self.done_at is None else self.done_at - ws  # window index of the stop token
-        end = self.frontier - ws if stop_at is None else stop_at + 1
+        and the edits kept before it. A placed stop token stays (or becomes another stop token)."""
+        stop_at = self.done_at - ws if self.stop_placed else None  # window index of the stop token
+        end = stop_at + 1 if stop_at is not None else self.frontier - ws  # the text: window[:end]
         edits = [j for j in range(max(0, self.prompt_len - ws), end) if out[j] != before[j]]
         if not edits:
             return
@@ -224,6 +225,7 @@ class Constraint:
             if ok and stop == 0:  # the edit is a stop token where the grammar may end: it ends here
                 text[j] = out[j]
                 stop_at, end = j, j + 1
+                self.done_at, self.stop_placed = ws + j, True
                 break
             if ok:
                 text[j] = out[j]
@@ -232,7 +234,9 @@ class Constraint:
         self._take(text[done : end if stop_at is None else stop_at])
         out[:end] = text[:end]
         if stop_at is not None:
-            self.done_at = self.frontier = ws + stop_at
+            self.frontier = self.done_at
+        elif self.done_at is not None and not self.matcher.is_stopped():
+            self.done_at = None  # the grammar had ended without a stop token; an edit reopened it
 
     def _advance(self, ws: int, out: list[int], mask_id: int, cand_ids: list[list[int]],
                  cand_probs: list[list[float]], threshold: float, masked_argmax: Callable[[int, bytes], int]) -> None:
@@ -244,7 +248,7 @@ class Constraint:
                 if self.stop_ids and out[i] not in self.stop_ids:
                     self.stats.forced += 1
                     out[i] = self.eos_id if self.eos_id in self.stop_ids else min(self.stop_ids)
-                self.done_at = ws + i
+                self.done_at, self.stop_placed = ws + i, bool(self.stop_ids)
                 break
             forced = self.matcher.forced_tokens()[: n - i]
             if forced:

@@ -183,7 +183,7 @@ def drive(c: Constraint, tok: Tokenizer, vocab: int, prompt_len: int, max_new: i
                 break
         else:
             raise AssertionError("a block did not end")
-        if c.done:
+        if c.done and c.stop_placed:
             return tokens[prompt_len : c.done_at + 1], True
         if end - prompt_len >= max_new:
             return tokens[prompt_len : prompt_len + max_new], False
@@ -194,13 +194,14 @@ PROPERTY = settings(max_examples=25, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 knobs = dict(seed=st.integers(0, 10**6), scale=st.sampled_from([1.0, 4.0, 12.0]),
              threshold=st.sampled_from([0.0, 0.3, 0.7]), edit_threshold=st.sampled_from([0.0, 0.5, 1.0]),
-             prompt_len=st.integers(1, 70))
+             prompt_len=st.integers(1, 70), ignore_eos=st.booleans())
 
 
 def check_property(grammars: Grammars, tok: Tokenizer, vocab: int, field: str, source: str,
                    valid: Callable[[str], bool], seed: int, scale: float, threshold: float, edit_threshold: float,
-                   prompt_len: int, max_new: int = 96) -> None:
-    stops = frozenset({tok.eos_token_id})
+                   prompt_len: int, ignore_eos: bool, max_new: int = 96) -> None:
+    """ignore_eos: no stop token at all (the grammar may complete with nothing to end it: the rest is free)."""
+    stops = frozenset() if ignore_eos else frozenset({tok.eos_token_id})
     c = Constraint(grammars.matcher(field, source), prompt_len, stops, tok.eos_token_id, vocab, grammars.closers)
     out, stopped = drive(c, tok, vocab, prompt_len, max_new, seed, scale, threshold, edit_threshold,
                          lambda: grammars.matcher(field, source))
@@ -213,28 +214,28 @@ def check_property(grammars: Grammars, tok: Tokenizer, vocab: int, field: str, s
 @PROPERTY
 @given(schema=schemas(), **knobs)
 def test_json_schema_outputs_are_valid(grammars, tok, vocab, schema, seed, scale, threshold, edit_threshold,
-                                       prompt_len) -> None:
+                                       prompt_len, ignore_eos) -> None:
     check_property(grammars, tok, vocab, "json_schema", json.dumps(schema), json_validator(schema), seed, scale,
-                   threshold, edit_threshold, prompt_len)
+                   threshold, edit_threshold, prompt_len, ignore_eos)
 
 
 @PROPERTY
 @given(pattern=st.sampled_from(REGEXES), **knobs)
 def test_regex_outputs_full_match(grammars, tok, vocab, pattern, seed, scale, threshold, edit_threshold,
-                                  prompt_len) -> None:
+                                  prompt_len, ignore_eos) -> None:
     check_property(grammars, tok, vocab, "regex", pattern, regex_validator(pattern), seed, scale, threshold,
-                   edit_threshold, prompt_len)
+                   edit_threshold, prompt_len, ignore_eos)
 
 
 @PROPERTY
 @given(name=st.sampled_from([None, "add", "lookup"]), parallel=st.booleans(), **knobs)
 def test_tool_call_outputs_parse_and_validate(grammars, tok, vocab, name, parallel, seed, scale, threshold,
-                                              edit_threshold, prompt_len) -> None:
+                                              edit_threshold, prompt_len, ignore_eos) -> None:
     start, end = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
     lark = tool_call_lark(TOOLS, start, end, name=name, parallel=parallel)
     tools = [t for t in TOOLS if name is None or t["function"]["name"] == name]
     check_property(grammars, tok, vocab, "lark", lark, tool_validator(tools), seed, scale, threshold,
-                   edit_threshold, prompt_len, max_new=128)
+                   edit_threshold, prompt_len, ignore_eos, max_new=128)
 
 
 def test_properties_reach_the_end(grammars, tok, vocab) -> None:
