@@ -47,7 +47,9 @@ class GrammarStats:
 
 class Constraint:
     """One request's grammar state: the frontier (an absolute position) and a matcher that has consumed
-    exactly tokens[prompt_len:frontier]. `done_at`: where a stop token ended the grammar (None while open)."""
+    exactly tokens[prompt_len:frontier]. `done_at` (None while the grammar is open): where it ended, the
+    position of the stop token that ended it (`stop_placed`), or, when it completed with no stop token to place
+    (ignore_eos and no stop_token_ids), the first position after it; from there on the window is free."""
 
     def __init__(self, matcher: GrammarMatcher, prompt_len: int, stop_ids: frozenset[int], eos_id: int,
                  vocab_size: int, closers: tuple[int, ...] = ()):
@@ -60,7 +62,7 @@ class Constraint:
         self.frontier = prompt_len
         self.consumed: list[int] = []  # == tokens[prompt_len:frontier], up to done_at
         self.done_at: int | None = None
-        self.stop_placed = False  # done_at holds a stop token (else the grammar ended with none to place: ignore_eos)
+        self.stop_placed = False
         self.version = -1  # the Request.block_version the state was last synced to
         self.stats = GrammarStats()
 

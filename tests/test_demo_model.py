@@ -17,19 +17,25 @@ import redraft.engine.tokenizer
 from live_server import RedraftServer
 from redraft.engine.defaults import BUNDLED_MODEL_DIR
 from redraft.training.evaluate import model_suite
-from redraft.training.tasks import (SUITES, eval_set, is_correct, make_chat, make_code, make_count,
-                                    make_math, make_repeat, make_reverse, make_sort, render_prompt, split_of)
+from redraft.training.tasks import (SUITES, eval_set, is_correct, make_chat, make_code, make_count, make_json,
+                                    make_math, make_repeat, make_reverse, make_sort, make_tool, render_prompt,
+                                    split_of)
 
 MAX_BYTES = 25 * 1024 * 1024
-SUITE = model_suite(BUNDLED_MODEL_DIR)  # v2: + count, repeat, code with any name
+SUITE = model_suite(BUNDLED_MODEL_DIR)  # v2: + count, repeat, code with any name; v3: + json, tool
 FAMILIES = SUITES[SUITE]
 MAX_NEW = 128  # count answers run to ~82 tokens
 # Two fixed problems per family (12 + 30 is the README's example); names the model may never have seen.
 FIXED = [make_math(12, "+", 30), make_math(7, "-", 64), make_reverse("planet"), make_reverse("xqz"),
          make_sort([42, 7, 99, 13]), make_sort([5, 81, 23]), make_code("combine_data", "sum"),
          make_code("pick_best", "maximum"), make_chat("zebra", 0), make_chat("owl", 0)]
-if SUITE == "v2":
+if SUITE in ("v2", "v3"):
     FIXED += [make_count(7, 30), make_count(310, 345), make_repeat("hello", 6), make_repeat("blorp", 11)]
+if SUITE == "v3":
+    FIXED += [make_json(20, "+", 5), make_tool(12, "+", 7), make_tool(40, "-", 3)]
+# Per-family floors on held-out problems: 75%, but the v3 json family (`{"answer":N}`), measured at 59-61% on
+# 100 problems (README): its sum sits after the JSON prefix, where the model computes it less well.
+FLOORS = {"json": 0.45}
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +73,8 @@ def test_engine_without_a_model_answers_fixed_problems(engine):
 
 @pytest.mark.parametrize("mode", ["Q", "S"])
 def test_held_out_accuracy_per_family(engine, mode):
-    """A small slice of `redraft eval-demo` (which runs 200 per family): the per-family floor of 75% and, in Q
-    mode, 90% overall. v2 code problems are split by the function name alone: every one here has a name the
+    """A small slice of `redraft eval-demo` (which runs 200 per family): the per-family floors and, in Q mode,
+    90% overall (v2) or 85% (v3). v2 code problems are split by the function name alone: every one here has a name the
     model never saw in training."""
     exs = eval_set(seed=4242, per_family=20, families=FAMILIES, suite=SUITE)
     assert all(split_of(ex.key, ex.family) == "eval" for ex in exs)
@@ -77,9 +83,11 @@ def test_held_out_accuracy_per_family(engine, mode):
     for family in FAMILIES:
         pairs = [(ex, o, r) for ex, o, r in zip(exs, outs, right) if ex.family == family]
         acc = sum(r for *_, r in pairs) / len(pairs)
-        assert acc >= 0.75, (family, acc, [(ex.user, o["text"]) for ex, o, r in pairs if not r])
+        assert acc >= FLOORS.get(family, 0.75), (family, acc, [(ex.user, o["text"]) for ex, o, r in pairs if not r])
     if mode == "Q" and SUITE == "v2":
         assert sum(right) / len(right) >= 0.9
+    if mode == "Q" and SUITE == "v3":  # 89.9% on 100 problems per family (README)
+        assert sum(right) / len(right) >= 0.85
 
 
 def test_s_mode_fills_more_tokens_per_forward_than_q(engine):

@@ -52,3 +52,24 @@ redraft train-demo --run-dir runs/demo_v3 --init-from engine/demo_model --thread
     --set 'family_weights={"math": 2.0, "reverse": 0.8, "sort": 0.8, "code": 1.0, "chat": 0.6, "count": 1.6, "repeat": 1.0, "json": 1.5, "tool": 1.5}'
 python -m redraft.training.export --run-dir runs/demo_v3 --out runs/demo_v3_export
 redraft eval-demo --model runs/demo_v3_export
+
+# 8. v3b: warm start from stage 7's export (weights only): json weighted 3 and math 2 (the sum inside the JSON is
+#    what stage 7 missed), tool 0.6 (already learnt), lr 2.5e-4 cosine over 800 steps, 50 warm-up.
+redraft train-demo --run-dir runs/demo_v3b --init-from runs/demo_v3_export --threads 1 --no-progress \
+    --steps 800 --lr 2.5e-4 --curriculum-steps 1 --eval-every 400 \
+    --set suite='"v3"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 --set warmup_steps=50 \
+    --set number_init=false --set long_counts=0.5 \
+    --set 'family_weights={"math": 2.0, "reverse": 0.6, "sort": 0.6, "code": 0.8, "chat": 0.5, "count": 1.0, "repeat": 0.8, "json": 3.0, "tool": 0.6}'
+python -m redraft.training.export --run-dir runs/demo_v3b --out runs/demo_v3b_export
+
+# 9. v3c, the bundled v3: warm start from stage 8's export, math 2.5 and json 3 at a smaller learning rate
+#    (1.5e-4 cosine over 700 steps, 30 warm-up): exact sums come back as it decays.
+redraft train-demo --run-dir runs/demo_v3c --init-from runs/demo_v3b_export --threads 1 --no-progress \
+    --steps 700 --lr 1.5e-4 --curriculum-steps 1 --eval-every 700 \
+    --set suite='"v3"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 --set warmup_steps=30 \
+    --set number_init=false --set long_counts=0.5 \
+    --set 'family_weights={"math": 2.5, "reverse": 0.6, "sort": 0.6, "code": 0.8, "chat": 0.5, "count": 1.0, "repeat": 0.8, "json": 3.0, "tool": 0.4}'
+
+# 10. Export v3 into the package, then measure it.
+python -m redraft.training.export --run-dir runs/demo_v3c --out engine/demo_model
+redraft eval-demo --plot docs/demo_eval.png --out docs/demo_eval.json
