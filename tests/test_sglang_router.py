@@ -18,6 +18,9 @@ import pytest
 
 from live_server import RedraftServer, free_port
 
+from redraft.engine.defaults import BUNDLED_MODEL_DIR
+from redraft.engine.tokenizer import Tokenizer
+
 pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra: pip install -e '.[dev]'")
 
 pytestmark = pytest.mark.slow
@@ -131,11 +134,11 @@ def test_sglang_fields_keep_their_meaning(fleet) -> None:
     trimmed = httpx.post(direct + "/v1/chat/completions", json={**base, "stop": ["2"]}).json()
     assert trimmed["choices"][0]["message"]["content"] == "4"
     assert kept["choices"][0]["message"]["content"] == "42"
-    special = httpx.post(direct + "/v1/completions", json={"prompt": "What is 12 + 30?", "max_tokens": 8,
-                                                           "temperature": 0, "skip_special_tokens": False,
-                                                           "ignore_eos": False}).json()
-    plain = httpx.post(direct + "/v1/completions", json={"prompt": "What is 12 + 30?", "max_tokens": 8,
-                                                         "temperature": 0}).json()
+    # the chat prompt as plain completion text (its markup tokenizes to the special tokens): the answer ends by EOS
+    prompt = Tokenizer.from_pretrained(BUNDLED_MODEL_DIR).apply_chat_template(CHAT, add_generation_prompt=True)
+    special = httpx.post(direct + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                           "skip_special_tokens": False, "ignore_eos": False}).json()
+    plain = httpx.post(direct + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
     assert "<|endoftext|>" in special["choices"][0]["text"] and "<|" not in plain["choices"][0]["text"]
     gen = httpx.post(url + "/generate", json={"text": "What is 12 + 30?", "model": "demo_model",
                                               "return_logprob": True, "return_text_in_logprobs": True,
