@@ -165,10 +165,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, items: list[WorkItem]) -> StepOutput:
         """One forward over every item's window, then the decoding step for the items that decode."""
+        b = self.block_size
         for it in items:  # structured output: a block that (re)begins starts with what its grammar forces
             c: Constraint | None = it.req.constraint  # type: ignore[assignment]
             if c is not None and it.decodes and c.version != it.req.block_version:
-                b = self.block_size
                 c.begin_block(it.req.tokens, it.req.active_block * b, (it.req.active_block + 1) * b)
                 c.version = it.req.block_version
         batch = build_forward_batch(items, self.block_size)

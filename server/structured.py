@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from redraft.engine.grammar import GrammarError, Grammars, parse_schema, tool_call_lark
+from redraft.engine.grammar import GrammarError, parse_schema, tool_call_lark
 from redraft.server.common import APIError, ServerState
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
@@ -40,18 +40,11 @@ def constraint_of(state: ServerState, body: Any) -> dict[str, str]:
     try:
         if field == "json_schema":
             source = json.dumps(parse_schema(source, request_field))
-        grammars(state).compile(field, source)
+        state.grammars.compile(field, source)
     except GrammarError as exc:
         raise APIError(400, str(exc).replace(f"invalid {field}", f"invalid {request_field}", 1),
                        param=request_field) from exc
     return {field: source}
-
-
-def grammars(state: ServerState) -> Grammars:
-    """The HTTP process's grammar compiler (to validate; the engine builds its own to decode)."""
-    if getattr(state, "_grammars", None) is None:
-        state._grammars = Grammars.for_tokenizer(state.tokenizer, state.vocab_size)
-    return state._grammars
 
 
 def _tool_grammar(state: ServerState, body: Any) -> str:
