@@ -27,7 +27,8 @@ from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
 from redraft.engine.defaults import resolve_model_path
 from redraft.engine.grammar import GrammarError, Grammars
-from redraft.engine.loader import load_model, resolve_dtype
+from redraft.engine.loader import load_model, resolve_dtype, resolve_quantization
+from redraft.engine.sharding import RankLayout, check_layout
 from redraft.engine.model_runner import ModelRunner
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.messages import Accepted, RequestOutput
@@ -81,9 +82,14 @@ class EngineCore:
         # The defaults chain below the request: the operator's explicit flags, then generation_config.json.
         self.default_levels = (args.request_defaults(), read_generation_config(path))
         t0 = time.perf_counter()
+        # tensor parallelism: this process is rank 0 and loads only its shard (engine/sharding.py)
+        layout = RankLayout(0, args.tp_size, args.ep_size) if args.tp_size > 1 else None
+        if layout is not None:
+            check_layout(self.model_config, args.tp_size, args.ep_size,
+                         resolve_quantization(self.model_config, args.quantization))
         self.model = load_model(path, self.model_config, dtype=args.resolved_dtype, device=args.device,
                                 load_format=args.load_format, seed=args.seed, progress=args.progress,
-                                quantization=args.quantization)
+                                quantization=args.quantization, layout=layout)
         # kernel_backend="triton": Triton attention and the fused Triton MoE (sync-free: the denoising step can be
         # captured in a CUDA graph); "torch": the plain-torch twins. FP8 linears follow the same choice.
         self.model.set_kernel_backend(args.kernel_backend)
@@ -119,7 +125,6 @@ class EngineCore:
         from redraft.engine import tensor_parallel as tp
 
         args = self.args
-        tp.check_layout(self.model_config, args.tp_size, args.ep_size)
         init_method = tp.free_init_method()
         ctx = torch.multiprocessing.get_context("spawn")
         workers = [ctx.Process(target=tp.worker_main, name=f"redraft-tp{rank}", daemon=True,
@@ -128,8 +133,13 @@ class EngineCore:
                    for rank in range(1, args.tp_size)]
         for w in workers:
             w.start()
-        tp.init(0, args.tp_size, args.device, init_method)
-        tp.shard_model_(self.model, 0, args.tp_size, args.ep_size)
+        try:
+            tp.init_leader(args.tp_size, args.device, init_method, workers)
+        except BaseException:
+            for w in workers:  # none may outlive a failed start
+                w.kill()
+            raise
+        tp.install_all_reduces(self.model)
         tp.install_leader(self.model)
         log.info("tensor parallel: %d ranks (expert parallel %d), %s", args.tp_size, args.ep_size,
                  tp.backend_for(args.device))

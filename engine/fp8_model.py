@@ -72,8 +72,9 @@ def convert_model_fp8(model: "LLaDA2Model") -> "LLaDA2Model":
 def quantize_into(model: "LLaDA2Model", param: str, value: torch.Tensor, index: tuple = ()) -> None:
     """Quantise `value` (a source tensor [N, K] or a stack of them) into e4m3 parameter `param` at `index`, and
     its block scales into `param`_scale at the matching block index."""
-    seg = fp8_segment_rows(model.cfg, param)
     target = model.get_parameter(param)
+    # a packed gate | up weight is two segments, whatever share of the intermediate this model (rank) holds
+    seg = None if fp8_segment_rows(model.cfg, param) is None else target.shape[-2] // 2
     scales = model.get_buffer(scale_name(param))
     rows = value.shape[-2]
     q, s = quantize_weight(value.to(target.device), seg if seg is not None and rows % seg == 0 and rows > seg

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from redraft.engine.config import ModelConfig
 from redraft.engine.model import LLaDA2Model
 from redraft.engine import fp8_model
+from redraft.engine.sharding import SKIP, RankLayout, shard_model_
 from redraft.kernels import fp8 as fp8q
 
 log = logging.getLogger("redraft.loader")
@@ -155,9 +156,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-                quantization: str | None = None) -> LLaDA2Model:
+                quantization: str | None = None, layout: RankLayout | None = None) -> LLaDA2Model:
     """Allocate (uninitialised) parameters directly in `dtype` on `device`: no random init, no second copy.
-    quantization="fp8": the quantisable weights are e4m3 with float32 block scales instead."""
+    quantization="fp8": the quantisable weights are e4m3 with float32 block scales instead. With a tensor-
+    parallel `layout`, only the rank's shard is allocated (engine/sharding.py)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -165,6 +167,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
             model = LLaDA2Model(cfg)
             if quantization == "fp8":
                 fp8_model.convert_model_fp8(model)
+            if layout is not None:
+                shard_model_(model, layout)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -174,9 +178,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = True) -> None:
+def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = True, *,
+                 cfg: ModelConfig | None = None, layout: RankLayout | None = None) -> None:
+    """Copy every checkpoint tensor into `model` (checked against the full config `cfg`, default model.cfg).
+    With a `layout`, the model is that rank's shard: each tensor is read only in the rows or columns the rank
+    holds (safetensors slices), and other ranks' experts are not read at all."""
     model_dir = Path(model_dir)
-    targets = expected_tensors(model.cfg, fp8_checkpoint=checkpoint_quantization(model.cfg) == "fp8")
+    cfg = cfg or model.cfg
+    targets = expected_tensors(cfg, fp8_checkpoint=checkpoint_quantization(cfg) == "fp8")
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     seen: set[str] = set()
     stored_fp8: set[str] = set()  # weights read as e4m3: their `_scale_inv` must come too
@@ -196,25 +205,29 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
                     raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: not part of this config")
                 if name in seen:
                     raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != target.shape:
-                    raise CheckpointError(
-                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.shape} from config.json"
-                    )
+                piece = f.get_slice(name)
+                shape = tuple(piece.get_shape())
+                if shape != target.shape:
+                    raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {target.shape} from config.json")
+                seen.add(name)
+                if not name.endswith(SCALE_SUFFIX):
+                    bar.update(1)
+                cut = layout.cut(name, shape, cfg) if layout is not None else None
+                if cut is SKIP:  # another rank's expert
+                    continue
+                tensor = f.get_tensor(name) if cut is None else cut.apply(piece)
+                index = layout.local_index(target.index, cut, cfg.num_experts) if layout else target.index
                 dest = params[target.param].data
-                view = dest[target.index] if target.index else dest
+                view = dest[index] if index else dest
                 if tensor.dtype == fp8q.FP8_DTYPE and view.dtype != fp8q.FP8_DTYPE:
                     raise CheckpointError(f"tensor {name!r} is float8 but {target.param} is not a quantised weight")
                 if view.dtype == fp8q.FP8_DTYPE and tensor.dtype != fp8q.FP8_DTYPE:
-                    fp8_model.quantize_into(model, target.param, tensor, target.index)  # bf16/fp32 -> e4m3 + scales
+                    fp8_model.quantize_into(model, target.param, tensor, index)  # bf16/fp32 -> e4m3 + scales
                     quantized.add(name)
                 else:
                     view.copy_(tensor.to(device=view.device, dtype=view.dtype))
                     if tensor.dtype == fp8q.FP8_DTYPE:
                         stored_fp8.add(name)
-                seen.add(name)
-                if not name.endswith(SCALE_SUFFIX):
-                    bar.update(1)
     bar.close()
     scales = {n[: -len(SCALE_SUFFIX)] for n in seen if n.endswith(SCALE_SUFFIX)}
     if stale := sorted(scales & quantized):
@@ -253,18 +266,20 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     quantization: str | None = None,
+    layout: RankLayout | None = None,
 ) -> LLaDA2Model:
+    """Build and fill the model; with a tensor-parallel `layout`, only that rank's shard (engine/sharding.py)."""
     torch_dtype = resolve_dtype(dtype)
     quantization = resolve_quantization(cfg, quantization)
     if quantization and torch_dtype == torch.float64:
         raise ValueError("quantization='fp8' needs a float32, float16 or bfloat16 model dtype")
-    model = build_model(cfg, torch_dtype, device, quantization)
+    model = build_model(cfg, torch_dtype, device, quantization, layout)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed)  # (with a layout: random weights of the shard's shapes)
     elif load_format in ("auto", "safetensors"):
         if model_dir is None:
             raise ValueError("a model directory is needed unless load_format='dummy'")
-        load_weights(model, model_dir, progress=progress)
+        load_weights(model, model_dir, progress=progress, cfg=cfg, layout=layout)
     else:
         raise ValueError(f"unknown load_format {load_format!r}: use 'auto', 'safetensors' or 'dummy'")
     return model

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from redraft.engine.config import ModelConfig
 from redraft.kernels.attention import AttentionMetadata, paged_attention_torch
-from redraft.kernels.moe import compute_dtype, moe_experts_torch, route_torch, swiglu
+from redraft.kernels.moe import compute_dtype, local_expert_ids, moe_experts_torch, route_torch, swiglu
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -100,6 +100,7 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # [E, 2I, H] gate | up
         self.w2 = nn.Parameter(torch.empty(e, h, i))  # [E, H, I]
         self.shared = DenseMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
+        self.first_expert = 0  # expert parallelism: w13/w2 hold experts [first_expert, first_expert + len(w13))
         self.experts: Callable[..., torch.Tensor] = moe_experts_torch  # see LLaDA2Model.set_moe_experts
         # The whole layer (routing, experts, shared expert) as fn(moe, x) when set, chosen by set_kernel_backend:
         # the fused Triton MoE for "triton" (kernels/moe_triton.py), the W8A8 twin for e4m3 weights on "torch".
@@ -125,6 +126,7 @@ class MoE(nn.Module):
             x, self.router, self.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
             topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
         )
+        topk_ids = local_expert_ids(topk_ids, self.first_expert, self.w13.shape[0], c.num_experts)
         out = self.experts(x, self.w13, self.w2, topk_ids, topk_w)
         if self.shared is not None:
             out = out + self.shared(x)

@@ -41,6 +41,16 @@ def route_torch(
     return topk_ids, weights * routed_scaling_factor
 
 
+def local_expert_ids(topk_ids: torch.Tensor, first: int, n_local: int, n_experts: int) -> torch.Tensor:
+    """Global expert ids [T, k] -> ids among the n_local experts [first, first + n_local) this rank holds
+    (expert parallelism), -1 for an expert another rank holds; unchanged when this rank holds them all.
+    Sync-free (CUDA-graph safe)."""
+    if n_local == n_experts:
+        return topk_ids
+    local = topk_ids - first
+    return torch.where((local >= 0) & (local < n_local), local, torch.full_like(local, -1))
+
+
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)); gate_up is the packed [2I, H] weight (gate rows first)."""
     gate, up = (x @ gate_up.t()).chunk(2, dim=-1)
@@ -70,7 +80,8 @@ def combine_experts_torch(
     num_experts: int,
     expert_fn,  # (expert, x_rows [n, H]) -> [n, H]
 ) -> torch.Tensor:  # [T, H] in x.dtype
-    """Dispatch each token to its k experts and sum weight * expert_fn(e, x), one call per touched expert.
+    """Dispatch each token to its k experts and sum weight * expert_fn(e, x), one call per touched expert;
+    a slot with expert id -1 (held by another rank: local_expert_ids) adds nothing.
 
     Accumulates in at least fp32, in ascending expert order for every token: a token's result never depends
     on which other tokens share the batch. Shared by every torch MoE twin (bf16/fp32 and FP8 weights).
@@ -79,8 +90,9 @@ def combine_experts_torch(
     acc_dtype = compute_dtype(x.dtype)
     out = torch.zeros(t, x.shape[1], dtype=acc_dtype, device=x.device)
     flat_ids = topk_ids.flatten()
+    flat_ids = torch.where(flat_ids >= 0, flat_ids, num_experts)  # other ranks' slots: one bin past the last
     order = flat_ids.argsort(stable=True)  # slots grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     flat_w = topk_weights.flatten()
     start = 0
     for expert, count in enumerate(counts):

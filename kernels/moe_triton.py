@@ -56,7 +56,7 @@ import torch
 from redraft.kernels.fp8 import BLOCK, FP8_DTYPE, cdiv
 from redraft.kernels.fp8_triton import (HAS_TRITON, _block_gemm_kernel, _cast, _jit, _max_fn, _min_fn, _quant_rows,
                                         _sum_fn, check_device, gemm_config, interpreting, next_pow2)
-from redraft.kernels.moe import compute_dtype
+from redraft.kernels.moe import compute_dtype, local_expert_ids
 
 if HAS_TRITON:
     import triton
@@ -196,7 +196,7 @@ def _moe_count_kernel(Ids, Counts, n_pairs, stride_it, shared_id,
     p = c * BLOCK_P + tl.arange(0, BLOCK_P)
     p_ok = p < n_pairs
     e = _pair_expert(Ids, p, p_ok, stride_it, shared_id, TOP_K, K_OUT)
-    e = tl.where(p_ok, e, BLOCK_E)  # no column
+    e = tl.where(p_ok & (e >= 0), e, BLOCK_E)  # no column (past the end, or -1: another rank's expert)
     cols = tl.arange(0, BLOCK_E)
     cnt = tl.reduce((e[:, None] == cols[None, :]).to(tl.int32), 0, _sum_fn)
     tl.store(Counts + c * BLOCK_E + cols, cnt)
@@ -231,10 +231,11 @@ def _moe_scatter_kernel(Ids, Offsets, Starts, Sorted, n_pairs, stride_it, shared
     p = c * BLOCK_P + q
     p_ok = p < n_pairs
     e = _pair_expert(Ids, p, p_ok, stride_it, shared_id, TOP_K, K_OUT)
-    earlier = (e[:, None] == e[None, :]) & (q[None, :] < q[:, None]) & p_ok[None, :]
+    ok = p_ok & (e >= 0)  # -1: an expert another rank holds (expert parallelism), not computed here
+    earlier = (e[:, None] == e[None, :]) & (q[None, :] < q[:, None]) & ok[None, :]
     rank = tl.reduce(earlier.to(tl.int32), 1, _sum_fn)  # same-expert pairs before it in this chunk
-    base = tl.load(Starts + e, mask=p_ok, other=0) + tl.load(Offsets + c * BLOCK_E + e, mask=p_ok, other=0)
-    tl.store(Sorted + base + rank, p, mask=p_ok)
+    base = tl.load(Starts + e, mask=ok, other=0) + tl.load(Offsets + c * BLOCK_E + e, mask=ok, other=0)
+    tl.store(Sorted + base + rank, p, mask=ok)
 
 
 @dataclass
@@ -252,7 +253,8 @@ class MoEPlan:
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared: bool = False) -> MoEPlan:
     """Sort the T * K_OUT (token, expert) pairs by expert and pad each expert's list to block_m. With
-    shared=True every token gets a last pair on expert `num_experts` (the folded shared expert)."""
+    shared=True every token gets a last pair on expert `num_experts` (the folded shared expert). Pairs on expert
+    -1 (another rank's: expert parallelism) are left out."""
     check_device(topk_ids)
     t, k = topk_ids.shape
     k_out = k + int(shared)
@@ -445,10 +447,13 @@ def _moe_reduce_kernel(
         hit = (rank == r) & j_ok[None, :]
         slot = tl.reduce(tl.where(hit, j[None, :], 0), 1, _sum_fn)
         w = tl.reduce(tl.where(hit, wts, 0.0), 1, _sum_fn)
+        # a slot on another rank's expert (id -1) was never computed: its rows are not read
+        here = tl.reduce(tl.where(hit & (ids >= 0), 1, 0), 1, _sum_fn) > 0
+        y_mask = mask & here[:, None]
         y_rows = Y + (t64 * K_OUT + slot)[:, None] * stride_yp + h[None, :]
-        y = tl.load(y_rows, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_rows, mask=y_mask, other=0.0).to(tl.float32)
         for s in range(1, SLICES):
-            y += tl.load(y_rows + s * stride_ys, mask=mask, other=0.0).to(tl.float32)
+            y += tl.load(y_rows + s * stride_ys, mask=y_mask, other=0.0).to(tl.float32)
         y = _cast(y, dt, INTERP).to(tl.float32)  # the expert's output in the model dtype, as swiglu returns it
         acc += y * w[:, None]
     out = _cast(acc, dt, INTERP)
@@ -540,7 +545,7 @@ def fused_moe(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
-    topk_ids: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]; -1: an expert another rank holds (skipped)
     topk_weights: torch.Tensor,  # [T, k] fp32
     *,
     w13_scale: torch.Tensor | None = None,
@@ -692,6 +697,7 @@ def moe_forward_triton(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         x, moe.router, moe.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
         routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
     )
+    topk_ids = local_expert_ids(topk_ids, moe.first_expert, moe.w13.shape[0], c.num_experts)
     shared = folded_shared(moe)
     out = fused_moe(x, moe.w13, moe.w2, topk_ids, topk_w, w13_scale=getattr(moe, "w13_scale", None),
                     w2_scale=getattr(moe, "w2_scale", None), shared=shared,

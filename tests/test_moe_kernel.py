@@ -186,6 +186,34 @@ def test_combine_is_the_torch_order_exactly():
         assert torch.equal(out, want), dtype
 
 
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_ranks_sum_to_the_whole(ep, method, poisoned_buffers):
+    """Expert parallelism: each rank holds experts [r E / ep, (r + 1) E / ep) and sees the others' as id -1
+    (local_expert_ids); those pairs are neither computed nor read (their partial rows stay NaN here), and the
+    ranks' outputs add up to the one-process result. The plan holds exactly the rank's pairs."""
+    from redraft.kernels.moe import local_expert_ids
+
+    t, h, i, e, k = 37, 64, 32, 8, 2
+    x, w13, w2, _, _, ids, wts = _weights(t, h, i, e, k, torch.float32, seed=3)
+    want = moe_experts_torch(x, w13, w2, ids, wts)
+    n = e // ep
+    total = torch.zeros_like(want)
+    for rank in range(ep):
+        local = local_expert_ids(ids, rank * n, n, e)
+        assert ((local == -1) == ((ids < rank * n) | (ids >= (rank + 1) * n))).all()
+        plan = mt.moe_align(local, n, 16)
+        used = int(plan.num_post)
+        pairs = sorted(p for p in plan.sorted_pairs[:used].cpu().tolist() if p < plan.n_pairs)
+        assert pairs == [p for p in range(t * k) if local.flatten()[p] >= 0]
+        part = mt.fused_moe(x, w13[rank * n:(rank + 1) * n], w2[rank * n:(rank + 1) * n], local, wts, method=method)
+        assert not part.isnan().any()
+        torch_part = moe_experts_torch(x, w13[rank * n:(rank + 1) * n], w2[rank * n:(rank + 1) * n], local, wts)
+        assert rel(part, torch_part) < TOL[torch.float32]  # the torch twin skips -1 slots the same way
+        total += part
+    assert rel(total, want) < TOL[torch.float32]
+
+
 def test_fused_is_deterministic():
     x, w13, w2, sg, sd, ids, wts = _weights(33, 64, 32, 8, 2, torch.float32, seed=1)
     a = mt.fused_moe(x, w13, w2, ids, wts, shared=mt.SharedExpert(sg, sd), method="fused")

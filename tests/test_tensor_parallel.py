@@ -7,6 +7,7 @@ editing window) must give the single process's output ids and step counts."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import redraft
 from redraft.engine.tiny import make_tiny_checkpoint
@@ -134,3 +135,45 @@ def test_serve_with_two_ranks_answers_as_one_process_and_fails_fast_when_a_rank_
         srv.stop(check=False)  # it exits non-zero on purpose: its engine could not be restarted
     assert not still_running(ranks[0], start)
     assert not any(still_running(p, s) for p, s in srv.seen_descendants.items())
+
+
+@pytest.fixture(scope="module")
+def wide_fp8(tmp_path_factory):
+    """A checkpoint FP8 can shard (head_dim 128, intermediates of 256: whole 128-blocks per rank) with wide
+    decision margins, and the single process's FP8 tokens on it."""
+    from safetensors.torch import load_file, save_file
+
+    from test_sharding import ALIGNED
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "fp8", seed=2, config_overrides=ALIGNED)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 8.0
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    params = [{**p, "temperature": 0.0} for p in PARAMS]
+    with redraft.Engine(str(path), dtype="float32", quantization="fp8", progress=False) as one:
+        want = one.generate(input_ids=PROMPTS, sampling_params=params)
+    return path, params, want
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["tp2", "tp2-ep2"])
+def test_fp8_two_ranks_give_the_single_process_tokens(wide_fp8, ep):
+    """FP8 weights shard with their block scales (each rank quantises only its slices): the same tokens."""
+    path, params, want = wide_fp8
+    with redraft.Engine(str(path), dtype="float32", quantization="fp8", progress=False, tp_size=2, ep_size=ep) as two:
+        assert two.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn
+        got = two.generate(input_ids=PROMPTS, sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert len({t for o in want for t in o["output_ids"]}) > 5
+
+
+def test_a_worker_that_dies_at_start_up_is_an_error_not_a_hang(ckpt):
+    """A script piped to `python -` cannot be re-imported by spawned workers: rank 1 dies before the
+    rendezvous. Rank 0 must say so within seconds (it used to wait in init_process_group for 30 minutes)."""
+    import subprocess
+    import sys
+
+    script = (f"import redraft\nredraft.Engine({str(ckpt)!r}, dtype='float64', progress=False, tp_size=2)\n"
+              "print('started')\n")
+    run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "started" not in run.stdout
+    assert "tensor-parallel worker redraft-tp1 exited during start-up" in run.stderr
