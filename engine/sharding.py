@@ -5,7 +5,8 @@ rank never holds more than its shard plus the replicated tensors.
 
 Megatron-style layout, one all-reduce after attention and one after the MLP of every layer:
 - attention: rank r keeps num_attention_heads / tp query heads and num_key_value_heads / tp KV heads (the
-  packed qkv rows of its heads, the o_proj columns of its heads);
+  packed qkv rows of its heads, the o_proj columns of its heads); with more ranks than KV heads, the one KV
+  head its query heads read (each KV head then lives on tp / nkv ranks);
 - dense MLP and shared expert: intermediate / tp of the SwiGLU (gate and up rows, down columns);
 - routed experts: ep 1 cuts every expert's intermediate the same way; ep == tp places whole experts
   [r E / ep, (r + 1) E / ep) on rank r;
@@ -79,9 +80,18 @@ class RankLayout:
         n = num_experts // self.ep
         return self.rank * n, n
 
+    def kv_heads(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank keeps: nkv / tp of them, or, with more ranks than KV heads,
+        the one its query heads read (replicated on tp / nkv ranks, as in SGLang)."""
+        nkv = cfg.num_key_value_heads
+        if self.tp <= nkv:
+            return self.rank * nkv // self.tp, nkv // self.tp
+        return self.rank * nkv // self.tp, 1
+
     def qkv_rows(self, cfg: ModelConfig) -> Ranges:
         d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        q, k = self.part(nq * d), self.part(nkv * d)
+        first, n = self.kv_heads(cfg)
+        q, k = self.part(nq * d), (first * d, (first + n) * d)
         return [q, (nq * d + k[0], nq * d + k[1]), ((nq + nkv) * d + k[0], (nq + nkv) * d + k[1])]
 
     def cut(self, name: str, shape: tuple[int, ...], cfg: ModelConfig) -> Cut | None:
@@ -123,18 +133,21 @@ def check_layout(cfg: ModelConfig, tp: int, ep: int, quantization: str | None = 
     """Clear errors for a layout the model cannot take."""
     if tp < 1 or ep not in (1, tp):
         raise ValueError(f"ep_size must be 1 or equal to tp_size ({tp}), not {ep}")
-    cut = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-           "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size}
+    cut = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size,
+           "moe_intermediate_size": cfg.moe_intermediate_size}
     for name, n in cut.items():
         if n % tp:
             raise ValueError(f"tp_size {tp} does not divide {name} = {n}")
+    nkv = cfg.num_key_value_heads
+    if nkv % tp and tp % nkv:  # split the KV heads, or replicate each on tp / nkv ranks
+        raise ValueError(f"tp_size {tp} neither divides num_key_value_heads = {nkv} nor is a multiple of it")
     if cfg.num_experts % ep:
         raise ValueError(f"ep_size {ep} does not divide num_experts = {cfg.num_experts}")
     if cfg.use_qkv_bias or cfg.use_bias:
         raise ValueError("tensor parallelism does not support checkpoints with linear biases yet")
     if quantization == "fp8" and tp > 1:
         widths = {"query heads x head_dim": cfg.num_attention_heads * cfg.head_dim,
-                  "KV heads x head_dim": cfg.num_key_value_heads * cfg.head_dim,
+                  "KV heads x head_dim": max(nkv, tp) * cfg.head_dim,
                   "intermediate_size": cfg.intermediate_size,
                   "moe_intermediate_size x num_shared_experts": cfg.moe_intermediate_size * cfg.num_shared_experts}
         if ep == 1:
@@ -160,7 +173,7 @@ def shard_model_(model: nn.Module, layout: RankLayout) -> nn.Module:
             attn = layer.attn
             _cut_(attn.qkv, "weight", Cut(0, layout.qkv_rows(cfg)))
             _cut_(attn.o_proj, "weight", Cut(1, [layout.part(cfg.num_attention_heads * cfg.head_dim)]))
-            attn.n_q, attn.n_kv = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
+            attn.n_q, attn.n_kv = cfg.num_attention_heads // tp, layout.kv_heads(cfg)[1]
             mlp = layer.mlp
             if isinstance(mlp, MoE):
                 if mlp.shared is not None:
@@ -169,7 +182,7 @@ def shard_model_(model: nn.Module, layout: RankLayout) -> nn.Module:
             else:
                 _cut_swiglu_(mlp, layout)
     model.cfg = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
-                                    num_key_value_heads=cfg.num_key_value_heads // tp,
+                                    num_key_value_heads=layout.kv_heads(cfg)[1],
                                     intermediate_size=cfg.intermediate_size // tp,
                                     moe_intermediate_size=cfg.moe_intermediate_size // tp)
     return model

@@ -35,6 +35,12 @@ def by_heads_and_experts(full: dict[str, torch.Tensor], cfg: ModelConfig, rank: 
     def heads(w: torch.Tensor, n: int) -> torch.Tensor:  # [n * d, h] -> this rank's heads
         return w.reshape(n, d, h)[rank * n // tp:(rank + 1) * n // tp].reshape(-1, h)
 
+    my_q_heads = range(rank * nq // tp, (rank + 1) * nq // tp)
+    my_kv_heads = sorted({j // (nq // nkv) for j in my_q_heads})  # the KV heads they read (grouped-query)
+
+    def kv_heads(w: torch.Tensor) -> torch.Tensor:
+        return w.reshape(nkv, d, h)[my_kv_heads].reshape(-1, h)
+
     def swiglu(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         i = down.shape[-1]
         lo, hi = rank * i // tp, (rank + 1) * i // tp
@@ -45,7 +51,7 @@ def by_heads_and_experts(full: dict[str, torch.Tensor], cfg: ModelConfig, rank: 
     for name, w in full.items():
         if name.endswith("attn.qkv.weight"):
             q, k, v = w.split([nq * d, nkv * d, nkv * d])
-            out[name] = torch.cat([heads(q, nq), heads(k, nkv), heads(v, nkv)])
+            out[name] = torch.cat([heads(q, nq), kv_heads(k), kv_heads(v)])
         elif name.endswith("attn.o_proj.weight"):
             out[name] = w.t().reshape(nq, d, h)[rank * nq // tp:(rank + 1) * nq // tp].reshape(-1, h).t()
         elif name.endswith("gate_up"):
@@ -60,8 +66,9 @@ def by_heads_and_experts(full: dict[str, torch.Tensor], cfg: ModelConfig, rank: 
     return out
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2)], ids=["tp2", "tp2-ep2"])
+@pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 1), (4, 4)], ids=["tp2", "tp2-ep2", "tp4", "tp4-ep4"])
 def test_a_rank_loads_its_heads_columns_and_experts(ckpt, tp, ep):
+    """(tp 4 on the tiny model's 2 KV heads: each KV head is kept by the two ranks whose query heads read it.)"""
     cfg = ModelConfig.from_pretrained(ckpt)
     whole = load_model(ckpt, cfg, dtype="float64", progress=False)
     full = dict(whole.named_parameters())
@@ -76,7 +83,7 @@ def test_a_rank_loads_its_heads_columns_and_experts(ckpt, tp, ep):
         moe = shard.layers[1].mlp
         assert moe.first_expert == (rank * cfg.num_experts // ep if ep > 1 else 0)
         assert shard.layers[0].attn.n_q == cfg.num_attention_heads // tp
-        assert shard.cfg.num_key_value_heads == cfg.num_key_value_heads // tp
+        assert shard.cfg.num_key_value_heads == shard.layers[0].attn.n_kv == max(1, cfg.num_key_value_heads // tp)
         assert weight_bytes(shard) < 0.75 * weight_bytes(whole)
 
 

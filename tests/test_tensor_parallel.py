@@ -177,3 +177,13 @@ def test_a_worker_that_dies_at_start_up_is_an_error_not_a_hang(ckpt):
     run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "started" not in run.stdout
     assert "tensor-parallel worker redraft-tp1 exited during start-up" in run.stderr
+
+
+def test_four_ranks_on_two_kv_heads_give_the_single_process_tokens(ckpt, single):
+    """More ranks than KV heads: each KV head is kept (and cached) by the two ranks whose query heads read it
+    (LLaDA2.1's 4 KV heads on 8 GPUs); ep 4 places 2 of the tiny model's 8 experts on each rank."""
+    with redraft.Engine(str(ckpt), dtype="float64", progress=False, tp_size=4, ep_size=4) as eng:
+        assert eng.runner.k_cache.shape[3] == 1
+        got = eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    for k, (a, b) in enumerate(zip(single, got)):
+        assert (b["output_ids"], b["meta_info"]["steps"]) == (a["output_ids"], a["meta_info"]["steps"]), k
