@@ -4,11 +4,12 @@ weights in a fraction of a GPU's memory. Computed from a config alone (no weight
 
     python -m redraft.clients.memory_plan                       # LLaDA2.1-mini and -flash, TP 1/2/4/8, H100 and H200
     python -m redraft.clients.memory_plan --config path/to/config.json --tp 1 2
+    python -m redraft.clients.memory_plan --measure path/to/checkpoint --tp 1 2 4   # load rank 0 of each layout
 
 The layout it assumes (the one docs/scaling.md describes): attention heads split over the TP ranks (KV heads
 too; with more ranks than KV heads each rank keeps one KV head, replicated), the dense MLP and the shared expert
-split column/row-wise, routed experts placed whole (EP = TP), embedding and lm_head split over the vocabulary,
-norms and the router replicated. FP8 is W8A8 block FP8 as redraft's Fp8Linear: every projection and expert
+split column/row-wise, routed experts placed whole (EP = TP), embedding, lm_head, norms and the router
+replicated (engine/sharding.py; a vocabulary-parallel lm_head is not built). FP8 is W8A8 block FP8 as redraft's Fp8Linear: every projection and expert
 weight at 1 byte plus one fp32 scale per 128 x 128 block; embeddings, lm_head, norms and the router stay bf16/fp32.
 """
 
@@ -43,14 +44,15 @@ FP8_BLOCK = 128
 class Parts:
     """Parameter counts by how they shard."""
 
-    projections: int  # attention q/k/v/o, dense MLP, shared experts: split over TP, FP8-able
+    projections: int  # attention q/o, dense MLP, shared experts: split over TP, FP8-able
+    kv_projections: int  # attention k/v: split over TP while TP <= KV heads, then one KV head per rank; FP8-able
     experts: int  # routed experts: placed whole over EP, FP8-able
-    vocab: int  # embedding + lm_head: split over the vocabulary, kept bf16
+    vocab: int  # embedding + lm_head: replicated, kept bf16
     replicated: int  # norms, router (+ bias): on every rank
 
     @property
     def total(self) -> int:
-        return self.projections + self.experts + self.vocab + self.replicated
+        return self.projections + self.kv_projections + self.experts + self.vocab + self.replicated
 
 
 def parameter_parts(cfg: dict[str, Any]) -> Parts:
@@ -59,7 +61,7 @@ def parameter_parts(cfg: dict[str, Any]) -> Parts:
     dense_layers = min(cfg.get("first_k_dense_replace", 0), layers)
     moe_layers = layers - dense_layers
     e, im = cfg["num_experts"], cfg["moe_intermediate_size"]
-    attn = (hq + 2 * hkv) * d * h + h * hq * d
+    attn = 2 * hq * d * h  # q rows of qkv, o_proj
     dense_mlp = 3 * h * cfg["intermediate_size"]
     shared = 3 * h * im * cfg.get("num_shared_experts", 0)
     projections = layers * attn + dense_layers * dense_mlp + moe_layers * shared
@@ -67,7 +69,7 @@ def parameter_parts(cfg: dict[str, Any]) -> Parts:
     vocab = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
     norms = layers * (2 * h + 2 * d) + h  # input / post-attention norms, q/k norms, final norm
     router = moe_layers * (e * h + e)
-    return Parts(projections, experts, vocab, norms + router)
+    return Parts(projections, layers * 2 * hkv * d * h, experts, vocab, norms + router)
 
 
 def _fp8_bytes(params: int) -> float:
@@ -79,10 +81,10 @@ def plan_row(cfg: dict[str, Any], tp: int, gpu_gib: float, fraction: float = 0.8
     p = parameter_parts(cfg)
     if cfg["num_experts"] % tp:
         raise ValueError(f"{cfg['num_experts']} experts do not split over {tp} ranks")
-    split = (p.projections + p.experts) / tp + p.vocab / tp
-    bf16 = (split + p.replicated) * 2
-    fp8 = _fp8_bytes((p.projections + p.experts) / tp) + p.vocab / tp * 2 + p.replicated * 2
     kv_heads = max(1, math.ceil(cfg["num_key_value_heads"] / tp))  # more ranks than KV heads: replicate
+    split = (p.projections + p.experts) / tp + p.kv_projections * kv_heads / cfg["num_key_value_heads"]
+    bf16 = (split + p.vocab + p.replicated) * 2
+    fp8 = _fp8_bytes(split) + (p.vocab + p.replicated) * 2
     kv_per_token = cfg["num_hidden_layers"] * 2 * kv_heads * cfg["head_dim"] * 2  # K and V, bf16
     budget = gpu_gib * GIB * fraction
     return {"tp": tp, "weights_bf16_gib": bf16 / GIB, "weights_fp8_gib": fp8 / GIB,
@@ -115,13 +117,55 @@ def markdown(name: str, cfg: dict[str, Any], tps: list[int], fraction: float) ->
     return "\n".join(lines)
 
 
+def _load_rank0(path: str, tp: int, dtype: str, out: Any) -> None:
+    """In a fresh process: load rank 0's shard; report its weight bytes and the process's peak memory."""
+    import time
+
+    from redraft.engine.config import ModelConfig
+    from redraft.engine.loader import load_model
+    from redraft.engine.sharding import RankLayout
+    from redraft.engine.tensor_parallel import peak_memory_bytes, weight_bytes
+
+    before = peak_memory_bytes("cpu")  # torch and redraft imported, nothing loaded
+    t0 = time.perf_counter()
+    model = load_model(path, ModelConfig.from_pretrained(path), dtype=dtype, progress=False,
+                       layout=RankLayout(0, tp, tp) if tp > 1 else None)
+    out.put((weight_bytes(model), peak_memory_bytes("cpu") - before, time.perf_counter() - t0))
+
+
+def measure(path: Path, tps: list[int], dtype: str) -> str:
+    """What rank 0 of each layout holds and the peak memory its loading added (one fresh process each)."""
+    import multiprocessing as mp
+
+    cfg = json.loads((path / "config.json").read_text())
+    ctx = mp.get_context("spawn")
+    lines = [f"**{path.name}** ({dtype}, rank 0 of each layout, EP = TP)", "",
+             "| TP | weights held | planned | peak memory added by loading | load time |", "|---|---|---|---|---|"]
+    for tp in tps:
+        out = ctx.Queue()
+        proc = ctx.Process(target=_load_rank0, args=(str(path), tp, dtype, out))
+        proc.start()
+        held, peak, seconds = out.get()
+        proc.join()
+        planned = plan_row(cfg, tp, 80.0)["weights_bf16_gib"] * GIB * (2.0 if dtype in ("float32", "fp32") else 1.0)
+        lines.append(f"| {tp} | {held / 2**20:.0f} MiB | {planned / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | "
+                     f"{seconds:.1f} s |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m redraft.clients.memory_plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, action="append", help="a config.json (default: mini and flash)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
+    ap.add_argument("--measure", type=Path, metavar="CHECKPOINT",
+                    help="load rank 0 of each --tp layout of this checkpoint and report what it holds")
+    ap.add_argument("--dtype", default="bfloat16", help="with --measure: the model dtype")
     args = ap.parse_args(argv)
+    if args.measure:
+        print(measure(args.measure, args.tp, args.dtype))
+        return 0
     models = ({str(c): json.loads(c.read_text()) for c in args.config} if args.config else PRESETS)
     for name, cfg in models.items():
         print(markdown(name, cfg, args.tp, args.fraction))

@@ -414,3 +414,37 @@ def test_router_manifests_validate_and_wire_to_the_replicas():
 
 def test_router_kustomize_builds():
     assert _kustomized_kinds(K8S_ROUTER) == ["Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+
+
+# ---- Kubernetes: one pod on 8 GPUs (tensor parallel) -------------------------------------------------------------
+K8S_TP = DEPLOY / "k8s-tp"
+
+
+def test_tensor_parallel_pod_builds_validates_and_fits():
+    """deploy/k8s-tp patches deploy/k8s into one 8-GPU pod serving flash in FP8 with TP = EP = 8: it builds, the
+    built Deployment is schema-valid, it asks for as many GPUs as ranks, and the memory plan fits it."""
+    import kubernetes_validate
+
+    from redraft.clients.memory_plan import PRESETS, plan_row
+
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl is not installed")
+    res = subprocess.run([kubectl, "kustomize", str(K8S_TP)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    docs = {d["kind"]: d for d in yaml.safe_load_all(res.stdout) if d}
+    assert sorted(docs) == ["Deployment", "PersistentVolumeClaim", "PrometheusRule", "Service", "ServiceMonitor"]
+    dep = docs["Deployment"]
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(dep, version, strict=True)
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    args = dict(a.split("=", 1) for a in container["args"] if a.startswith("--"))
+    tp = int(args["--tp-size"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == tp == container["resources"]["requests"]["nvidia.com/gpu"]
+    assert args["--ep-size"] in ("1", str(tp)) and args["--device"] == "cuda"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # kept from the base
+    shm = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert args["--model"].endswith("LLaDA2.1-flash")
+    row = plan_row(PRESETS["LLaDA2.1-flash"], tp, 80.0)
+    assert row["kv_tokens_fp8" if args.get("--quantization") == "fp8" else "kv_tokens_bf16"] > 1e6  # fits an H100 node

@@ -120,3 +120,21 @@ def test_fp8_layouts_must_cut_on_block_boundaries(ckpt):
     check_layout(cfg, 2, 2, None)  # fine without FP8
     with pytest.raises(ValueError, match="whole 128-wide blocks"):
         load_model(ckpt, cfg, dtype="float32", progress=False, quantization="fp8", layout=RankLayout(0, 2, 2))
+
+
+def test_which_real_layouts_take_fp8():
+    """docs/scaling.md's claim, from the published configs: flash takes FP8 at TP 2, 4 and 8; mini up to TP 4
+    (at 8 its 512-wide shared expert would give each rank 64 columns, half a block)."""
+    from redraft.clients.memory_plan import PRESETS
+    from redraft.engine.tiny import TINY_CONFIG
+
+    def cfg(name):
+        return ModelConfig.from_dict({**TINY_CONFIG, **PRESETS[name], "n_group": 8, "topk_group": 4,
+                                      "num_experts_per_tok": 8})
+
+    for tp in (2, 4, 8):
+        check_layout(cfg("LLaDA2.1-flash"), tp, tp, "fp8")
+        check_layout(cfg("LLaDA2.1-mini"), tp, tp, None)
+    check_layout(cfg("LLaDA2.1-mini"), 4, 4, "fp8")
+    with pytest.raises(ValueError, match="moe_intermediate_size x num_shared_experts"):
+        check_layout(cfg("LLaDA2.1-mini"), 8, 8, "fp8")
