@@ -73,8 +73,9 @@ class EngineCore:
         self.args = args
         if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={args.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
-        if args.cpu_threads:
-            torch.set_num_threads(args.cpu_threads)
+        from redraft.engine.tensor_parallel import set_threads  # (one rule for every rank)
+
+        set_threads(args)
         path = resolve_model_path(args.model_path, args.revision)
         self.model_path = path
         self.model_config = ModelConfig.from_pretrained(path)
@@ -82,11 +83,26 @@ class EngineCore:
         # The defaults chain below the request: the operator's explicit flags, then generation_config.json.
         self.default_levels = (args.request_defaults(), read_generation_config(path))
         t0 = time.perf_counter()
-        # tensor parallelism: this process is rank 0 and loads only its shard (engine/sharding.py)
-        layout = RankLayout(0, args.tp_size, args.ep_size) if args.tp_size > 1 else None
-        if layout is not None:
+        # tensor parallelism: this process is rank 0 and loads only its shard (engine/sharding.py) while the other
+        # ranks, started first, load theirs (engine/tensor_parallel.py)
+        layout, self._tp_workers = None, None
+        if args.tp_size > 1:
+            from redraft.engine.tensor_parallel import Workers
+
             check_layout(self.model_config, args.tp_size, args.ep_size,
                          resolve_quantization(self.model_config, args.quantization))
+            layout, self._tp_workers = RankLayout(0, args.tp_size, args.ep_size), Workers(args)
+        try:
+            self._load_and_start(path, layout, t0)
+        except BaseException:
+            if self._tp_workers is not None:
+                self._tp_workers.kill()
+            raise
+
+    def _load_and_start(self, path: Any, layout: RankLayout | None, t0: float) -> None:
+        """The rest of the start-up: load (rank 0's shard), size the KV cache, meet the other ranks, build the
+        scheduler and the runner."""
+        args = self.args
         self.model = load_model(path, self.model_config, dtype=args.resolved_dtype, device=args.device,
                                 load_format=args.load_format, seed=args.seed, progress=args.progress,
                                 quantization=args.quantization, layout=layout)
@@ -108,7 +124,10 @@ class EngineCore:
         # (not with tensor parallelism: a captured graph would skip the forward hooks that talk to the other ranks)
         if on_gpu and args.kernel_backend == "triton" and not args.disable_cuda_graph and args.tp_size == 1:
             graph_bs = max(0, min(args.cuda_graph_max_bs, args.max_running_requests))
-        self._tp_workers = self._start_tensor_parallel(num_pages) if args.tp_size > 1 else []
+        if self._tp_workers is not None:
+            self._tp_workers.join(self.model, num_pages, args.max_running_requests)
+            log.info("tensor parallel: %d ranks (expert parallel %d), %s", args.tp_size, args.ep_size,
+                     "nccl" if on_gpu else "gloo")
         self.runner = ModelRunner(self.model, num_pages, args.max_running_requests, self.tokenizer.mask_token_id,
                                   self.tokenizer.eos_token_id, args.device, cuda_graph_max_bs=graph_bs)
         if args.tp_size > 1:
@@ -119,31 +138,6 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # every request not yet reported finished
         self._timing: dict[str, _Timing] = {}
         self.num_forwards = 0
-
-    def _start_tensor_parallel(self, num_pages: int) -> list[Any]:
-        """Ranks 1..tp-1 in their own processes (engine/tensor_parallel.py); this process is rank 0."""
-        from redraft.engine import tensor_parallel as tp
-
-        args = self.args
-        init_method = tp.free_init_method()
-        ctx = torch.multiprocessing.get_context("spawn")
-        workers = [ctx.Process(target=tp.worker_main, name=f"redraft-tp{rank}", daemon=True,
-                               args=(rank, args.tp_size, args.ep_size, args, init_method, num_pages,
-                                     args.max_running_requests))
-                   for rank in range(1, args.tp_size)]
-        for w in workers:
-            w.start()
-        try:
-            tp.init_leader(args.tp_size, args.device, init_method, workers)
-        except BaseException:
-            for w in workers:  # none may outlive a failed start
-                w.kill()
-            raise
-        tp.install_all_reduces(self.model)
-        tp.install_leader(self.model)
-        log.info("tensor parallel: %d ranks (expert parallel %d), %s", args.tp_size, args.ep_size,
-                 tp.backend_for(args.device))
-        return workers
 
     def _default_kv_tokens(self) -> int:
         per_token = ModelRunner.kv_bytes_per_token(self.model_config, resolve_dtype(self.args.resolved_dtype))
@@ -393,13 +387,9 @@ class EngineCore:
             self.scheduler.abort(rid)
         self.scheduler.drain_updates()
         self._requests.clear()
-        if getattr(self, "_tp_workers", None):
-            from redraft.engine.tensor_parallel import stop_workers
-
-            stop_workers()
-            for w in self._tp_workers:
-                w.join(timeout=30)
-            self._tp_workers = []
+        if getattr(self, "_tp_workers", None) is not None:
+            self._tp_workers.stop()
+            self._tp_workers = None
         self.runner = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
 

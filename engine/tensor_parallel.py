@@ -33,6 +33,17 @@ log = logging.getLogger("redraft.tp")
 STOP = "stop"
 
 
+def set_threads(args: Any) -> None:
+    """Torch's intra-op threads for this rank: --cpu-threads if given; on CPU with tp ranks, the cores shared out
+    among them (more threads than cores leave a rank descheduled at every collective: 7x slower measured with 4
+    ranks on 2 cores)."""
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    elif args.tp_size > 1 and torch.device(args.device).type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // args.tp_size))
+
+
 def install_all_reduces(model: LLaDA2Model) -> None:
     """Sum the ranks' partial attention and MLP outputs after every layer's two blocks."""
     for layer in model.layers:
@@ -122,34 +133,72 @@ def _tensors_to(obj: Any, device: str | torch.device) -> Any:
     return dataclasses.replace(obj, **changes)
 
 
-def stop_workers() -> None:
-    if dist.is_initialized():
-        dist.broadcast_object_list([(STOP, None, None)], src=0)
-        dist.destroy_process_group()
+class Workers:
+    """Ranks 1..tp-1, each in its own process. Started before rank 0 loads, so that every rank reads its shard at
+    the same time; `join` then meets them (rendezvous, the KV cache size, the collectives) once rank 0 is ready."""
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.init_method = free_init_method()
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.procs = [ctx.Process(target=worker_main, name=f"redraft-tp{rank}", daemon=True,
+                                  args=(rank, args.tp_size, args.ep_size, args, self.init_method))
+                      for rank in range(1, args.tp_size)]
+        for p in self.procs:
+            p.start()
+
+    def join(self, model: LLaDA2Model, num_pages: int, num_slots: int) -> None:
+        """Rank 0 (this process, `model` loaded): meet the workers, tell them the KV cache's size (rank 0's
+        choice: every rank must hold the same pages), and make every forward a collective one."""
+        try:
+            init_leader(self.args.tp_size, self.args.device, self.init_method, self.procs)
+            dist.broadcast_object_list([(num_pages, num_slots)], src=0)
+        except BaseException:
+            self.kill()
+            raise
+        install_all_reduces(model)
+        install_leader(model)
+
+    def kill(self) -> None:
+        """None may outlive a failed start."""
+        for p in self.procs:
+            p.kill()
+        self.procs = []
+
+    def stop(self) -> None:
+        if dist.is_initialized():
+            dist.broadcast_object_list([(STOP, None, None)], src=0)
+            dist.destroy_process_group()
+        for p in self.procs:
+            p.join(timeout=30)
+        self.procs = []
 
 
-def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, num_pages: int, num_slots: int) -> None:
-    """A rank > 0: load, shard, then run every forward rank 0 announces, on its own KV cache."""
+def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str) -> None:
+    """A rank > 0: load its shard, meet rank 0, build its KV cache, then run every forward rank 0 announces."""
     from redraft.engine.loader import load_model
     from redraft.engine.defaults import resolve_model_path
     from redraft.engine.model_runner import ModelRunner
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.cpu_threads:
-        torch.set_num_threads(args.cpu_threads)
+    set_threads(args)
     device = f"cuda:{rank}" if torch.device(args.device).type == "cuda" else args.device
-    init(rank, tp, args.device, init_method)
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(rank)
     path = resolve_model_path(args.model_path, args.revision)
     model = load_model(path, ModelConfig.from_pretrained(path), dtype=args.resolved_dtype, device=device,
                        load_format=args.load_format, seed=args.seed, progress=False,
                        quantization=args.quantization, layout=RankLayout(rank, tp, ep))
     model.set_kernel_backend(args.kernel_backend)
     install_all_reduces(model)
+    init(rank, tp, args.device, init_method)
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    num_pages, num_slots = box[0]
     runner = ModelRunner(model, num_pages, num_slots, 0, 0, device)
     log_rank_memory(rank, model, runner.k_cache)
     with torch.inference_mode():
         while True:
-            box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
             kind, ids, meta = box[0]
             if kind == STOP:

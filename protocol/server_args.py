@@ -74,8 +74,8 @@ class ServerArgs:
     # ---- speed -----------------------------------------------------------------------------------------
     cuda_graph_max_bs: int = _opt("largest batch replayed from a CUDA graph", default=64, type=int)
     disable_cuda_graph: bool = _opt("run the denoising step eagerly on GPUs too", default=False, action="store_true")
-    cpu_threads: int | None = _opt("torch threads on CPU (default: torch's choice; 1 is best on a busy machine)",
-                                   type=int)
+    cpu_threads: int | None = _opt("torch threads on CPU, per rank (default: torch's choice, or the cores shared "
+                                   "out among the --tp-size ranks; 1 is best on a busy machine)", type=int)
     # ---- HTTP server -----------------------------------------------------------------------------------
     host: str = _opt("address to listen on", cli="serve", default="127.0.0.1")
     port: int = _opt("port to listen on", cli="serve", default=30000, type=int)

@@ -184,6 +184,6 @@ def test_four_ranks_on_two_kv_heads_give_the_single_process_tokens(ckpt, single)
     (LLaDA2.1's 4 KV heads on 8 GPUs); ep 4 places 2 of the tiny model's 8 experts on each rank."""
     with redraft.Engine(str(ckpt), dtype="float64", progress=False, tp_size=4, ep_size=4) as eng:
         assert eng.runner.k_cache.shape[3] == 1
-        got = eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)
-    for k, (a, b) in enumerate(zip(single, got)):
+        got = eng.generate(input_ids=PROMPTS[1:3], sampling_params=PARAMS[1:3])  # Q, and S with an MBE window
+    for k, (a, b) in enumerate(zip(single[1:3], got)):
         assert (b["output_ids"], b["meta_info"]["steps"]) == (a["output_ids"], a["meta_info"]["steps"]), k
