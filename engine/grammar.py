@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import string
+from collections import OrderedDict
 from typing import Any, Protocol
 
 import llguidance
@@ -96,10 +97,15 @@ class Grammars:
     """Compiles constraints for one tokenizer. `tokenizer_json` is the checkpoint's tokenizer.json (byte-level
     BPE in LLaDA2); `vocab_size` the model's (it may exceed the tokenizer's: ids past it are never allowed)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int, cache_size: int = 128):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_id)
         self.vocab_size = vocab_size
         self._closers: tuple[int, ...] | None = None
+        # (field, source) -> a compiled matcher that never consumed a token; each request gets a deep copy. Clients
+        # send the same schema request after request: compiling it once spares the engine loop a few ms each.
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self.cache_size = cache_size
+        self.cache_hits = self.cache_misses = 0
 
     @property
     def closers(self) -> tuple[int, ...]:
@@ -130,10 +136,21 @@ class Grammars:
         return grammar
 
     def matcher(self, field: str, source: Any) -> LLGuidanceMatcher:
-        m = llguidance.LLMatcher(self.tokenizer, self.compile(field, source), log_level=0)
-        if m.is_error():
-            raise GrammarError(f"invalid {field}: {m.get_error().strip()}", field)
-        return LLGuidanceMatcher(m)
+        """A fresh matcher for one request's constraint (compiled once per distinct constraint, LRU)."""
+        key = (field, source if isinstance(source, str) else json.dumps(source, sort_keys=True))
+        pristine = self._compiled.get(key)
+        if pristine is not None:
+            self._compiled.move_to_end(key)
+            self.cache_hits += 1
+            return LLGuidanceMatcher(pristine.deep_copy())
+        pristine = llguidance.LLMatcher(self.tokenizer, self.compile(field, source), log_level=0)
+        if pristine.is_error():
+            raise GrammarError(f"invalid {field}: {pristine.get_error().strip()}", field)
+        self.cache_misses += 1
+        self._compiled[key] = pristine
+        if len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return LLGuidanceMatcher(pristine.deep_copy())
 
 
 def to_llguidance(field: str, source: Any) -> str:

@@ -265,6 +265,27 @@ def test_invalid_grammars_name_their_field(grammars, field, source) -> None:
     assert err.value.param == field
 
 
+def test_a_repeated_constraint_is_compiled_once_and_its_matchers_are_independent(tok, vocab) -> None:
+    """The compile cache hands each request its own copy: one request's progress never leaks into another's,
+    a bad grammar is never cached, and the least recently used entry goes first."""
+    g = Grammars(tok.backend.to_str(), vocab, tok.eos_token_id, cache_size=2)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    first = g.matcher("json_schema", schema)
+    text = tok.encode('{"a":12}')
+    first.consume(text[:first.count_valid(text)])
+    second = g.matcher("json_schema", json.dumps(schema))  # the same constraint as a string: its own key
+    third = g.matcher("json_schema", dict(reversed(list(schema.items()))))  # same dict, other key order: a hit
+    assert (g.cache_hits, g.cache_misses) == (1, 2)
+    assert first.is_accepting() and not third.is_accepting()
+    assert third.count_valid(text) == len(text)  # from the start, untouched by `first`
+    with pytest.raises(GrammarError):
+        g.matcher("regex", "(")
+    assert (g.cache_hits, g.cache_misses) == (1, 2)
+    g.matcher("regex", "[0-9]+")  # a third entry: the least recently used (the string schema) goes
+    g.matcher("json_schema", json.dumps(schema))
+    assert (g.cache_hits, g.cache_misses) == (1, 4)
+
+
 def test_json_is_compact_by_default(grammars, tok) -> None:
     m = grammars.matcher("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                                                     "required": ["a"]}))
