@@ -212,7 +212,7 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
                 seen.add(name)
                 if not name.endswith(SCALE_SUFFIX):
                     bar.update(1)
-                cut = layout.cut(name, shape, cfg) if layout is not None else None
+                cut = layout.cut(name, cfg) if layout is not None else None
                 if cut is SKIP:  # another rank's expert
                     continue
                 tensor = f.get_tensor(name) if cut is None else cut.apply(piece)

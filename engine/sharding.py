@@ -94,8 +94,8 @@ class RankLayout:
         q, k = self.part(nq * d), (first * d, (first + n) * d)
         return [q, (nq * d + k[0], nq * d + k[1]), ((nq + nkv) * d + k[0], (nq + nkv) * d + k[1])]
 
-    def cut(self, name: str, shape: tuple[int, ...], cfg: ModelConfig) -> Cut | None:
-        """The part of checkpoint tensor `name` (full `shape`) this rank reads: None for all of it (replicated),
+    def cut(self, name: str, cfg: ModelConfig) -> Cut | None:
+        """The part of checkpoint tensor `name` (official name, full shape) this rank reads: None for all of it (replicated),
         SKIP for none. A `_scale_inv` block grid is cut like its weight, in blocks."""
         if m := _EXPERT.match(name):
             expert, proj, scale = int(m.group(1)), m.group(2), m.group(3)
