@@ -271,8 +271,6 @@ def load_model(
     """Build and fill the model; with a tensor-parallel `layout`, only that rank's shard (engine/sharding.py)."""
     torch_dtype = resolve_dtype(dtype)
     quantization = resolve_quantization(cfg, quantization)
-    if quantization and torch_dtype == torch.float64:
-        raise ValueError("quantization='fp8' needs a float32, float16 or bfloat16 model dtype")
     model = build_model(cfg, torch_dtype, device, quantization, layout)
     if load_format == "dummy":
         init_dummy_weights(model, seed)  # (with a layout: random weights of the shard's shapes)
