@@ -172,6 +172,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty allocates the shared parameter twice: tie them again
+        model.lm_head.weight = model.embed.weight
     for layer in model.layers:  # expert_bias is routing-critical: keep it fp32 whatever the dtype
         if hasattr(layer.mlp, "expert_bias"):
             layer.mlp.expert_bias.data = layer.mlp.expert_bias.data.float()

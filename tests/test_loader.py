@@ -64,6 +64,17 @@ def test_half_precision_checkpoints_load_into_any_dtype(tmp_path: Path, dtype: s
         assert model.layers[1].mlp.expert_bias.dtype == torch.float32
 
 
+def test_tied_embeddings_give_lm_head_the_embedding(tmp_path: Path):
+    """A checkpoint with tie_word_embeddings stores no lm_head.weight: the logits read the embedding matrix
+    (a model allocated on the meta device and then materialised must be tied again)."""
+    path = make_tiny_checkpoint(tmp_path / "tied", seed=2, config_overrides={"tie_word_embeddings": True})
+    assert "lm_head.weight" not in load_file(str(path / "model.safetensors"))
+    model = load_model(path, ModelConfig.from_pretrained(path), progress=False)
+    hidden = torch.randn(3, model.cfg.hidden_size)
+    assert model.lm_head.weight is model.embed.weight
+    assert torch.equal(model.logits(hidden), hidden @ model.embed.weight.t())
+
+
 def test_sharded_checkpoint_equals_single_file(tmp_path: Path):
     single = make_tiny_checkpoint(tmp_path / "one", seed=3)
     sharded = make_tiny_checkpoint(tmp_path / "three", seed=3, shards=3)
