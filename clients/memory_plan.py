@@ -8,9 +8,10 @@ weights in a fraction of a GPU's memory. Computed from a config alone (no weight
 
 The layout it assumes (the one docs/scaling.md describes): attention heads split over the TP ranks (KV heads
 too; with more ranks than KV heads each rank keeps one KV head, replicated), the dense MLP and the shared expert
-split column/row-wise, routed experts placed whole (EP = TP), embedding, lm_head, norms and the router
-replicated (engine/sharding.py; a vocabulary-parallel lm_head is not built). FP8 is W8A8 block FP8 as redraft's Fp8Linear: every projection and expert
-weight at 1 byte plus one fp32 scale per 128 x 128 block; embeddings, lm_head, norms and the router stay bf16/fp32.
+split column/row-wise, routed experts placed whole (EP = TP), embedding and lm_head vocabulary-parallel when TP
+divides the vocabulary (replicated otherwise), norms and the router replicated (engine/sharding.py). FP8 is
+W8A8 block FP8 as redraft's Fp8Linear: every projection and expert weight at 1 byte plus one fp32 scale per
+128 x 128 block; embeddings, lm_head, norms and the router stay bf16/fp32.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Parts:
     projections: int  # attention q/o, dense MLP, shared experts: split over TP, FP8-able
     kv_projections: int  # attention k/v: split over TP while TP <= KV heads, then one KV head per rank; FP8-able
     experts: int  # routed experts: placed whole over EP, FP8-able
-    vocab: int  # embedding + lm_head: replicated, kept bf16
+    vocab: int  # embedding + lm_head: split over TP by token rows when TP divides the vocabulary; bf16
     replicated: int  # norms, router (+ bias): on every rank
 
     @property
@@ -83,8 +84,9 @@ def plan_row(cfg: dict[str, Any], tp: int, gpu_gib: float, fraction: float = 0.8
         raise ValueError(f"{cfg['num_experts']} experts do not split over {tp} ranks")
     kv_heads = max(1, math.ceil(cfg["num_key_value_heads"] / tp))  # more ranks than KV heads: replicate
     split = (p.projections + p.experts) / tp + p.kv_projections * kv_heads / cfg["num_key_value_heads"]
-    bf16 = (split + p.vocab + p.replicated) * 2
-    fp8 = _fp8_bytes(split) + (p.vocab + p.replicated) * 2
+    vocab = p.vocab if cfg["vocab_size"] % tp else p.vocab / tp
+    bf16 = (split + vocab + p.replicated) * 2
+    fp8 = _fp8_bytes(split) + (vocab + p.replicated) * 2
     kv_per_token = cfg["num_hidden_layers"] * 2 * kv_heads * cfg["head_dim"] * 2  # K and V, bf16
     budget = gpu_gib * GIB * fraction
     return {"tp": tp, "weights_bf16_gib": bf16 / GIB, "weights_fp8_gib": fp8 / GIB,

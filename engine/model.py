@@ -172,8 +172,12 @@ class LLaDA2Model(nn.Module):
             h = layer(h, meta, k_cache[i], v_cache[i], self.attend)
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] in >= fp32
-        return self.lm_head(hidden).to(compute_dtype(hidden.dtype))
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H] hidden states (or [..., H]) -> [..., V] logits in >= fp32 of hidden[rows] ([R...] indices into
+        the last forward's T rows; None: all). Rows, not picked states, so that tensor-parallel ranks, which
+        hold the same hidden states, can each give their vocabulary slice of the same rows."""
+        picked = hidden if rows is None else hidden[rows]
+        return self.lm_head(picked).to(compute_dtype(hidden.dtype))
 
     def set_kernel_backend(self, backend: str) -> None:
         if backend == "torch":

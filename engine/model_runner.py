@@ -221,7 +221,7 @@ class ModelRunner:
         width = int(lens.max())
         rows = (ends - lens)[:, None] + torch.arange(width, device=self.device)[None, :]  # [N, L]
         rows = torch.minimum(rows, ends[:, None] - 1)
-        return self.model.logits(hidden[rows]), decoding  # [N, L, V]
+        return self.model.logits(hidden, rows), decoding  # [N, L, V]
 
     def _step(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request]) -> StepResult:
         s, width = self.slots, logits.shape[1]
@@ -286,7 +286,7 @@ class ModelRunner:
         flat = [starts[i] + off for i, rs in enumerate(reads) for off, _ in rs]
         if not flat:
             return [[] for _ in queries]
-        logits = exclude_mask_(self.model.logits(hidden[torch.tensor(flat, device=self.device)]), self.mask_id)
+        logits = exclude_mask_(self.model.logits(hidden, torch.tensor(flat, device=self.device)), self.mask_id)
         lp = finite_logprobs(logits)  # [R, V]
         want = torch.tensor([tok for rs in reads for _, tok in rs], device=self.device)
         chosen = lp.gather(-1, want[:, None]).squeeze(-1).tolist()

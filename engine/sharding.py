@@ -10,7 +10,10 @@ Megatron-style layout, one all-reduce after attention and one after the MLP of e
 - dense MLP and shared expert: intermediate / tp of the SwiGLU (gate and up rows, down columns);
 - routed experts: ep 1 cuts every expert's intermediate the same way; ep == tp places whole experts
   [r E / ep, (r + 1) E / ep) on rank r;
-- embedding, norms, router and lm_head are replicated.
+- embedding and lm_head: vocabulary-parallel when tp divides vocab_size (rank r holds token rows
+  [r V / tp, (r + 1) V / tp): its embedding looks up only those ids and the ranks' rows are summed, its lm_head
+  gives those logits and the ranks' slices are gathered); replicated otherwise;
+- norms and router are replicated.
 FP8 block scales follow their weights in units of 128-row/column blocks, so an FP8 layout must cut on block
 boundaries (`check_layout`); quantising at load then gives each rank exactly the blocks one process has.
 """
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from redraft.engine.config import ModelConfig
 from redraft.kernels.fp8 import BLOCK
@@ -58,6 +62,7 @@ SKIP = Cut(-1, [])  # a tensor this rank does not hold at all (another rank's ex
 _EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _SWIGLU = re.compile(r"model\.layers\.\d+\.mlp\.(?:shared_experts\.)?(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _ATTN = re.compile(r"model\.layers\.\d+\.attention\.(query_key_value|dense)\.weight(_scale_inv)?$")
+_VOCAB = ("model.word_embeddings.weight", "lm_head.weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,11 @@ class RankLayout:
             return self.rank * nkv // self.tp, nkv // self.tp
         return self.rank * nkv // self.tp, 1
 
+    def vocab_rows(self, cfg: ModelConfig) -> tuple[int, int] | None:
+        """[start, stop) of the token rows of the embedding and lm_head this rank holds; None when tp does not
+        divide the vocabulary (both are then replicated; LLaDA2's 157184 divides 2, 4, 8)."""
+        return None if cfg.vocab_size % self.tp else self.part(cfg.vocab_size)
+
     def qkv_rows(self, cfg: ModelConfig) -> Ranges:
         d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         first, n = self.kv_heads(cfg)
@@ -112,6 +122,9 @@ class RankLayout:
             full = Cut(0, self.qkv_rows(cfg)) if proj == "query_key_value" else \
                 Cut(1, [self.part(cfg.num_attention_heads * cfg.head_dim)])
             return full.in_blocks() if scale else full
+        if name in _VOCAB:
+            rows = self.vocab_rows(cfg)
+            return None if rows is None else Cut(0, [rows])
         if name.endswith(".bias") and ".attention." in name:
             raise ValueError("tensor parallelism does not support checkpoints with linear biases yet")
         return None
@@ -162,7 +175,8 @@ def check_layout(cfg: ModelConfig, tp: int, ep: int, quantization: str | None = 
 # ---- the model side ----------------------------------------------------------------------------------------
 def shard_model_(model: nn.Module, layout: RankLayout) -> nn.Module:
     """Cut `model` (an LLaDA2Model, FP8 or not, on any device: meta before allocation in load_model) down to
-    `layout`'s shard in place; model.cfg becomes the rank's view (its heads and intermediate sizes)."""
+    `layout`'s shard in place; model.cfg becomes the rank's view (its heads and intermediate sizes; vocab_size
+    stays whole: the logits are gathered whole)."""
     from redraft.engine.model import MoE  # the model imports no parallelism; this module knows the model
 
     cfg = model.cfg
@@ -181,11 +195,37 @@ def shard_model_(model: nn.Module, layout: RankLayout) -> nn.Module:
                 _cut_experts_(mlp, layout)
             else:
                 _cut_swiglu_(mlp, layout)
+        if (rows := layout.vocab_rows(cfg)) is not None:
+            tied = model.lm_head.weight is model.embed.weight
+            model.embed = VocabShardEmbedding(Cut(0, [rows]).apply(model.embed.weight), rows[0])
+            model.lm_head.weight = model.embed.weight if tied else \
+                nn.Parameter(Cut(0, [rows]).apply(model.lm_head.weight), requires_grad=False)
+            model.lm_head.out_features = rows[1] - rows[0]
     model.cfg = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                     num_key_value_heads=layout.kv_heads(cfg)[1],
                                     intermediate_size=cfg.intermediate_size // tp,
                                     moe_intermediate_size=cfg.moe_intermediate_size // tp)
     return model
+
+
+class VocabShardEmbedding(nn.Module):
+    """The embedding rows [start, start + len(weight)) of a vocabulary-parallel rank: ids outside them give zero
+    rows, so the sum over the ranks (an all-reduce, engine/tensor_parallel.py) is the full lookup, exactly."""
+
+    def __init__(self, weight: torch.Tensor, start: int):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [V / tp, H]
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return out.masked_fill_(outside[..., None], 0.0)
+
+
+def is_vocab_parallel(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "embed", None), VocabShardEmbedding)
 
 
 def _cut_(module: nn.Module, name: str, cut: Cut, whole_experts: bool = False) -> None:

@@ -1,14 +1,15 @@
 """Tensor and expert parallelism over torch.distributed (gloo on CPU, NCCL on GPUs): docs/scaling.md.
 
 What each rank holds is engine/sharding.py (each rank loads only that: its rows and columns of the sharded
-weights, its own experts, and the replicated rest). Here: the processes and the collectives. One all-reduce
-after attention and one after the MLP of every layer turn the ranks' partial sums into the full hidden state
-everywhere; rank 0 alone turns it into logits and decisions (a vocabulary-parallel lm_head would need an
-all-gather of logits every step for a matrix that is 1-2% of the MoE's weights).
+weights, its own experts, its slice of the vocabulary, and the replicated rest). Here: the processes and the
+collectives. An all-reduce after the (vocabulary-parallel) embedding, after attention and after the MLP of every
+layer turns the ranks' partial sums into the full hidden state everywhere; for logits each rank multiplies the
+same rows by its lm_head slice and the slices are all-gathered. Rank 0 alone makes the decisions.
 
 Rank 0 is the engine: it schedules, and before each forward broadcasts the forward's inputs (token ids and
 attention metadata) to the other ranks, which run the same forward on their shards and their own KV caches
-(`worker_main`). Every rank therefore schedules identically by construction: only rank 0 schedules at all.
+(`worker_main`); before each logits call, the rows it wants. Every rank therefore schedules identically by
+construction: only rank 0 schedules at all.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from redraft.engine.config import ModelConfig
 from redraft.engine.model import LLaDA2Model
-from redraft.engine.sharding import RankLayout
+from redraft.engine.sharding import RankLayout, is_vocab_parallel
 
 log = logging.getLogger("redraft.tp")
 STOP = "stop"
@@ -45,10 +46,14 @@ def set_threads(args: Any) -> None:
 
 
 def install_all_reduces(model: LLaDA2Model) -> None:
-    """Sum the ranks' partial attention and MLP outputs after every layer's two blocks."""
+    """Sum the ranks' partial attention and MLP outputs after every layer's two blocks (and their embedding
+    rows); gather their lm_head slices."""
     for layer in model.layers:
         layer.attn.register_forward_hook(_all_reduce_output)
         layer.mlp.register_forward_hook(_all_reduce_output)
+    if is_vocab_parallel(model):
+        model.embed.register_forward_hook(_all_reduce_output)
+        model.lm_head.register_forward_hook(_all_gather_vocab)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -73,6 +78,13 @@ def log_rank_memory(rank: int, model: torch.nn.Module, k_cache: torch.Tensor) ->
 def _all_reduce_output(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(out)
     return out
+
+
+def _all_gather_vocab(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    """[..., V / tp] logits of this rank's token rows -> [..., V], the ranks' slices in rank order."""
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, out.contiguous())
+    return torch.cat(parts, dim=-1)
 
 
 # ---- processes ---------------------------------------------------------------------------------------------
@@ -118,12 +130,21 @@ def init_leader(tp: int, device: str, init_method: str, workers: list[Any], poll
 
 
 def install_leader(model: LLaDA2Model) -> None:
-    """Rank 0: every forward first sends its inputs to the other ranks, which run it too."""
+    """Rank 0: every forward first sends its inputs to the other ranks, which run it too; with a vocabulary-
+    parallel lm_head, every logits call sends its rows, and the ranks give their slices of them."""
     def send(module: torch.nn.Module, args: tuple) -> None:
         ids, meta = args[0], args[1]
         dist.broadcast_object_list([("forward", ids.cpu(), _tensors_to(meta, "cpu"))], src=0)
 
     model.register_forward_pre_hook(send)
+    if is_vocab_parallel(model):
+        own_logits = model.logits
+
+        def logits(hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+            dist.broadcast_object_list([("logits", None if rows is None else rows.cpu(), None)], src=0)
+            return own_logits(hidden, rows)
+
+        model.logits = logits  # type: ignore[method-assign]
 
 
 def _tensors_to(obj: Any, device: str | torch.device) -> Any:
@@ -197,12 +218,16 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str) -> Non
     num_pages, num_slots = box[0]
     runner = ModelRunner(model, num_pages, num_slots, 0, 0, device)
     log_rank_memory(rank, model, runner.k_cache)
+    hidden = torch.empty(0)
     with torch.inference_mode():
         while True:
             dist.broadcast_object_list(box, src=0)
-            kind, ids, meta = box[0]
+            kind, first, second = box[0]
             if kind == STOP:
                 break
-            model(ids.to(device), _tensors_to(meta, device), runner.k_cache, runner.v_cache)
+            if kind == "logits":  # rows of the last forward's hidden states; the gather is lm_head's hook
+                model.logits(hidden, None if first is None else first.to(device))
+            else:
+                hidden = model(first.to(device), _tensors_to(second, device), runner.k_cache, runner.v_cache)
     dist.destroy_process_group()
     os._exit(0)

@@ -29,7 +29,8 @@ def aligned(tmp_path_factory):
 
 
 def by_heads_and_experts(full: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, tp: int, ep: int):
-    """The shard, written independently of engine/sharding.py: heads, intermediate columns and experts."""
+    """The shard, written independently of engine/sharding.py: heads, intermediate columns, experts, and the
+    token rows of embedding and lm_head (vocab_size / tp each; tp divides the tiny vocabulary of 448)."""
     d, nq, nkv, h = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
 
     def heads(w: torch.Tensor, n: int) -> torch.Tensor:  # [n * d, h] -> this rank's heads
@@ -56,6 +57,9 @@ def by_heads_and_experts(full: dict[str, torch.Tensor], cfg: ModelConfig, rank: 
             out[name] = w.t().reshape(nq, d, h)[rank * nq // tp:(rank + 1) * nq // tp].reshape(-1, h).t()
         elif name.endswith("gate_up"):
             out[name], out[name[:-len("gate_up")] + "down"] = swiglu(w, full[name[:-len("gate_up")] + "down"])
+        elif name in ("embed.weight", "lm_head.weight"):
+            rows = cfg.vocab_size // tp
+            out[name] = w[rank * rows:(rank + 1) * rows]
         elif name.endswith("mlp.w13"):
             w2 = full[name[:-3] + "w2"]
             if ep > 1:
@@ -138,3 +142,33 @@ def test_which_real_layouts_take_fp8():
     check_layout(cfg("LLaDA2.1-mini"), 4, 4, "fp8")
     with pytest.raises(ValueError, match="moe_intermediate_size x num_shared_experts"):
         check_layout(cfg("LLaDA2.1-mini"), 8, 8, "fp8")
+
+
+@pytest.mark.parametrize("vocab,tied", [(448, True), (449, False)], ids=["tied", "indivisible"])
+def test_vocabulary_rows_shard_when_tp_divides_them(vocab, tied):
+    """Tied embeddings stay one tensor when cut (lm_head reads the rank's embedding rows); a vocabulary tp does
+    not divide is replicated whole, embedding and lm_head alike."""
+    import torch.nn as nn
+
+    from redraft.engine.loader import build_model
+    from redraft.engine.sharding import VocabShardEmbedding, is_vocab_parallel
+    from redraft.engine.tiny import TINY_CONFIG
+
+    cfg = ModelConfig.from_dict({**TINY_CONFIG, "vocab_size": vocab, "tie_word_embeddings": tied})
+    model = build_model(cfg, torch.float32, "cpu", layout=RankLayout(1, 2, 1))
+    if tied:
+        assert isinstance(model.embed, VocabShardEmbedding) and model.embed.start == vocab // 2
+        assert model.lm_head.weight is model.embed.weight and model.embed.weight.shape[0] == vocab // 2
+    else:
+        assert not is_vocab_parallel(model) and isinstance(model.embed, nn.Embedding)
+        assert model.embed.weight.shape[0] == model.lm_head.weight.shape[0] == vocab
+
+
+def test_a_vocabulary_shard_looks_up_only_its_rows():
+    """The ranks' embedding rows sum to the whole lookup, exactly (each id is found on one rank, zeros elsewhere)."""
+    from redraft.engine.sharding import VocabShardEmbedding
+
+    whole = torch.randn(12, 5, dtype=torch.float64)
+    ids = torch.tensor([0, 11, 3, 6, 5, 9, 6])
+    ranks = [VocabShardEmbedding(whole[r * 4:(r + 1) * 4].clone(), r * 4) for r in range(3)]
+    assert torch.equal(sum(e(ids) for e in ranks), whole[ids])

@@ -45,11 +45,22 @@ def test_two_ranks_give_the_single_process_tokens(ckpt, single, ep):
         assert eng.runner.k_cache.shape[3] == cfg.num_key_value_heads // 2  # rank 0 caches only its KV heads
         moe = eng.model.layers[1].mlp
         assert moe.w13.shape[0] == (cfg.num_experts // 2 if ep == 2 else cfg.num_experts)
+        assert eng.model.lm_head.weight.shape[0] == eng.model.embed.weight.shape[0] == cfg.vocab_size // 2
         from redraft.engine.tensor_parallel import weight_bytes
 
         with redraft.Engine(str(ckpt), dtype="float64", progress=False) as whole:
             full = weight_bytes(whole.model)
+            # likelihood forwards (their own rows of the vocabulary-parallel lm_head): the same values
+            scored = [(PROMPTS[0], PROMPTS[1][:20]), (PROMPTS[2], PROMPTS[3][:40])]
+            want_lp, want_score = whole.prompt_logprobs(PROMPTS[3], top_k=3), whole.score(scored)
         assert 0.4 * full < weight_bytes(eng.model) < 0.75 * full  # a shard, with the replicated parts
+        got_lp = eng.prompt_logprobs(PROMPTS[3], top_k=3)
+        assert [alt for _, alt in got_lp[1:]] != [] and len(got_lp) == len(want_lp)
+        for g, w in zip(got_lp[1:], want_lp[1:]):
+            assert g[0] == pytest.approx(w[0], abs=1e-12) and [t for t, _ in g[1]] == [t for t, _ in w[1]]
+        for g, w in zip(eng.score(scored), want_score):
+            assert g["estimate"] == pytest.approx(w["estimate"], abs=1e-10)
+            assert [t["logprob_sum"] for t in g["terms"]] == pytest.approx([t["logprob_sum"] for t in w["terms"]])
         got = eng.generate(input_ids=PROMPTS, sampling_params=PARAMS)
         for k, (a, b) in enumerate(zip(single, got)):
             assert (b["output_ids"], b["meta_info"]["steps"]) == (a["output_ids"], a["meta_info"]["steps"]), k
