@@ -189,16 +189,17 @@ class Constraint:
 
     # ---- the sweep ----------------------------------------------------------------------------------
     def sweep(self, window_start: int, before: list[int], after: list[int], mask_id: int,
-              cand_ids: list[list[int]], cand_probs: list[list[float]], threshold: float,
+              candidates: Callable[[int], list[tuple[int, float]]], threshold: float,
               masked_argmax: Callable[[int, bytes], int]) -> list[int]:
         """The window after this forward, corrected for the grammar. `before`/`after`: the window's tokens
-        before and after the plain step; cand_*: the model's top-k at each window position (probabilities of
-        the step's distribution); masked_argmax(i, bitmask): the best allowed token at window index i."""
+        before and after the plain step; candidates(i): the model's top-k (token, probability in the step's
+        distribution) at window index i, best first, asked only where the sweep needs them (a rejected or
+        masked position: about one per forward); masked_argmax(i, bitmask): the best allowed token at i."""
         t0 = time.perf_counter()
         out = list(after)
         self._keep_valid_edits(window_start, before, out)
         if not self.done:
-            self._advance(window_start, out, mask_id, cand_ids, cand_probs, threshold, masked_argmax)
+            self._advance(window_start, out, mask_id, candidates, threshold, masked_argmax)
         self.stats.seconds += time.perf_counter() - t0
         return out
 
@@ -240,8 +241,8 @@ class Constraint:
         elif self.done_at is not None and not self.matcher.is_stopped():
             self.done_at = None  # the grammar had ended without a stop token; an edit reopened it
 
-    def _advance(self, ws: int, out: list[int], mask_id: int, cand_ids: list[list[int]],
-                 cand_probs: list[list[float]], threshold: float, masked_argmax: Callable[[int, bytes], int]) -> None:
+    def _advance(self, ws: int, out: list[int], mask_id: int, candidates: Callable[[int], list[tuple[int, float]]],
+                 threshold: float, masked_argmax: Callable[[int, bytes], int]) -> None:
         """Step 2: the sweep from the frontier."""
         i, n = self.frontier - ws, len(out)
         placed = False
@@ -268,7 +269,7 @@ class Constraint:
                 self.stats.rejected += 1
             if token in self.stop_ids and self._close(ws, i, out, token):
                 break
-            best = next((c for c, p in zip(cand_ids[i], cand_probs[i])
+            best = next((c for c, p in candidates(i)
                          if p > threshold and c != token and c != mask_id and self._fits([c])[0]), None)
             if best is None and not placed:
                 allowed = self.allowed()

@@ -238,16 +238,13 @@ class ModelRunner:
         (engine/constrained.py), in place in `result` and the slot state. Reads only the row's own logits."""
         t0 = time.perf_counter()
         idx = torch.tensor(rows, device=self.device)
-        probs = torch.softmax(logits[idx].float(), -1)  # [n, L, V]: the step's distribution (no temperature)
-        cand_p, cand_i = probs.topk(min(GRAMMAR_CANDIDATES, probs.shape[-1]), -1)  # [n, L, k]
-        cand_p, cand_i = cand_p.tolist(), cand_i.tolist()
         before_rows, after_rows = before[idx].tolist(), result.tokens[idx].tolist()
         b = self.block_size
         for j, i in enumerate(rows):
             r, n = reqs[i], lens[i]
             c: Constraint = r.constraint  # type: ignore[assignment]
             fixed = c.sweep(r.window_start * b, before_rows[j][:n], after_rows[j][:n], self.mask_id,
-                            cand_i[j][:n], cand_p[j][:n], r.params.threshold,
+                            lambda pos, row=i: self._candidates(logits[row, pos]), r.params.threshold,
                             lambda pos, bitmask, row=i: self._masked_argmax(logits[row, pos], bitmask))
             if fixed != after_rows[j][:n]:
                 result.tokens[i, :n] = torch.tensor(fixed, device=self.device)
@@ -258,6 +255,15 @@ class ModelRunner:
         result.t2t[idx] = ~masked & placed & (result.tokens[idx] != before[idx]) & self.slots.editable[slots[idx], : before.shape[1]]
         self.slots.tokens[slots[idx], : before.shape[1]] = result.tokens[idx]
         self.grammar_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _candidates(row: torch.Tensor) -> list[tuple[int, float]]:
+        """The model's top GRAMMAR_CANDIDATES at one position (row: [V] logits), with their probabilities in the
+        step's distribution (no temperature), best first. One position at a time: the sweep asks for about one
+        per request and forward, and a top-k over the whole window cost more than the grammar itself."""
+        probs = torch.softmax(row.float(), -1)  # [V]
+        p, ids = probs.topk(min(GRAMMAR_CANDIDATES, probs.shape[-1]))
+        return list(zip(ids.tolist(), p.tolist()))
 
     def _masked_argmax(self, row: torch.Tensor, bitmask: bytes) -> int:
         """The highest-logit token among those `bitmask` allows (row: [V] logits of one position)."""

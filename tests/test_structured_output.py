@@ -167,8 +167,9 @@ def drive(c: Constraint, tok: Tokenizer, vocab: int, prompt_len: int, max_new: i
                                        torch.tensor([edit_threshold]), mask)
             probs = torch.softmax(logits[0], -1)
             cand_p, cand_i = probs.topk(8, -1)
+            cands = [list(zip(ids, ps)) for ids, ps in zip(cand_i.tolist(), cand_p.tolist())]
             f0, was_done = c.frontier, c.done
-            out = c.sweep(start, before, res.tokens[0].tolist(), mask, cand_i.tolist(), cand_p.tolist(), threshold,
+            out = c.sweep(start, before, res.tokens[0].tolist(), mask, cands.__getitem__, threshold,
                           masked_argmax(logits))
             tokens[start:end] = out
             step += 1
