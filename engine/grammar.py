@@ -104,6 +104,7 @@ class Grammars:
         # (field, source) -> a compiled matcher that never consumed a token; each request gets a deep copy. Clients
         # send the same schema request after request: compiling it once spares the engine loop a few ms each.
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._validated: OrderedDict[tuple[str, str], str] = OrderedDict()  # (field, source) -> grammar: compile()
         self.cache_size = cache_size
         self.cache_hits = self.cache_misses = 0
 
@@ -128,16 +129,25 @@ class Grammars:
         return cls(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_id)
 
     def compile(self, field: str, source: Any) -> str:
-        """The llguidance grammar for one constraint field; GrammarError (naming `field`) when it is invalid."""
+        """The llguidance grammar for one constraint field; GrammarError (naming `field`) when it is invalid.
+        Valid ones are remembered (LRU): the HTTP process validates every constrained request with this."""
+        key = _cache_key(field, source)
+        grammar = self._validated.get(key)
+        if grammar is not None:
+            self._validated.move_to_end(key)
+            return grammar
         grammar = to_llguidance(field, source)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise GrammarError(f"invalid {field}: {error.strip()}", field)
+        self._validated[key] = grammar
+        if len(self._validated) > self.cache_size:
+            self._validated.popitem(last=False)
         return grammar
 
     def matcher(self, field: str, source: Any) -> LLGuidanceMatcher:
         """A fresh matcher for one request's constraint (compiled once per distinct constraint, LRU)."""
-        key = (field, source if isinstance(source, str) else json.dumps(source, sort_keys=True))
+        key = _cache_key(field, source)
         pristine = self._compiled.get(key)
         if pristine is not None:
             self._compiled.move_to_end(key)
@@ -151,6 +161,10 @@ class Grammars:
         if len(self._compiled) > self.cache_size:
             self._compiled.popitem(last=False)
         return LLGuidanceMatcher(pristine.deep_copy())
+
+
+def _cache_key(field: str, source: Any) -> tuple[str, str]:
+    return field, source if isinstance(source, str) else json.dumps(source, sort_keys=True)
 
 
 def to_llguidance(field: str, source: Any) -> str:

@@ -287,6 +287,25 @@ def test_a_repeated_constraint_is_compiled_once_and_its_matchers_are_independent
     assert (g.cache_hits, g.cache_misses) == (1, 4)
 
 
+def test_validation_is_remembered_but_an_invalid_grammar_is_checked_every_time(tok, vocab, monkeypatch) -> None:
+    """The HTTP process validates every constrained request: a constraint seen before is not validated again;
+    a bad one is refused every time (never remembered)."""
+    import llguidance
+
+    calls = []
+    real = llguidance.LLMatcher.validate_grammar
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar",
+                        staticmethod(lambda *a, **k: calls.append(a[0]) or real(*a, **k)))
+    g = Grammars(tok.backend.to_str(), vocab, tok.eos_token_id)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert g.compile("json_schema", schema) == g.compile("json_schema", dict(schema)) == g.compile("json_schema", schema)
+    assert len(calls) == 1
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            g.compile("regex", "(")
+    assert len(calls) == 3
+
+
 def test_json_is_compact_by_default(grammars, tok) -> None:
     m = grammars.matcher("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                                                     "required": ["a"]}))
