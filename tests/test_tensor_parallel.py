@@ -95,6 +95,17 @@ def test_float32_on_a_checkpoint_with_wide_margins(tmp_path):
     assert len({t for o in want for t in o["output_ids"]}) > 5  # a real output, not one token repeated
 
 
+def test_a_vocabulary_the_ranks_cannot_split_is_replicated(tmp_path):
+    """vocab_size 449 (odd): embedding and lm_head stay whole on every rank, no gather; the same tokens."""
+    path = make_tiny_checkpoint(tmp_path / "odd", seed=0, config_overrides={"vocab_size": 449})
+    with redraft.Engine(str(path), dtype="float64", progress=False) as one:
+        want = one.generate(input_ids=PROMPTS[:2], sampling_params=PARAMS[:2])
+    with redraft.Engine(str(path), dtype="float64", progress=False, tp_size=2) as two:
+        assert two.model.lm_head.weight.shape[0] == two.model.embed.weight.shape[0] == 449
+        got = two.generate(input_ids=PROMPTS[:2], sampling_params=PARAMS[:2])
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+
+
 def test_a_layout_the_model_cannot_take_is_refused(ckpt):
     with pytest.raises(ValueError, match="tp_size 3 does not divide num_attention_heads"):
         redraft.Engine(str(ckpt), dtype="float64", progress=False, tp_size=3)
