@@ -319,3 +319,18 @@ def test_train_settings_override_and_merge() -> None:
     assert got.family_weights == {**base.family_weights, "math": 2.5}
     with pytest.raises(SystemExit, match="no_such_field"):
         apply_settings(base, ["no_such_field=1"])
+
+
+def test_eval_demo_set_applies_a_sampling_parameter_to_every_setting(capsys) -> None:
+    """`redraft eval-demo --set threshold=1.0`: no probability beats 1.0 (strict >), so every forward fills only
+    its one fallback mask; an unknown parameter is an error that lists the known ones."""
+    from redraft.engine.defaults import BUNDLED_MODEL_DIR
+    from redraft.training.evaluate import evaluate, main
+
+    free = evaluate(str(BUNDLED_MODEL_DIR), 2, ["S"], families=["count"])
+    slow = evaluate(str(BUNDLED_MODEL_DIR), 2, ["S"], families=["count"], overrides={"threshold": 1.0})
+    assert slow["overrides"] == {"threshold": 1.0} and free["overrides"] == {}
+    assert slow["S"]["tpf"] < 1.05 < 2.0 < free["S"]["tpf"]
+    with pytest.raises(SystemExit):
+        main(["--set", "bogus=1"])
+    assert "threshold" in capsys.readouterr().err

@@ -146,6 +146,22 @@ def test_long_counts_widen_training_only() -> None:
                for ex in held_out)
 
 
+def test_low_count_starts_put_long_counts_at_the_digit_crossing() -> None:
+    """low_count_starts: a share of the long counts start at A in 0..20 (one digit to two); still right by
+    construction and train-split only; eval problems keep A uniform in 0..899."""
+    gen = TaskGenerator(5, "train", {"count": 1.0}, suite="v3", long_counts=1.0, low_count_starts=0.5)
+    starts = []
+    for ex in gen.batch(400):
+        a, b = (int(x) for x in re.findall(r"\d+", ex.user))
+        assert ex.answer == " ".join(str(n) for n in range(a, b + 1)) and 3 <= b - a <= 64
+        assert split_of(ex.key, "count") == "train"
+        starts.append(a)
+    low = sum(a <= 20 for a in starts) / len(starts)
+    assert 0.4 < low < 0.6, low  # half from 0..20 (plus the 2% of uniform draws that land there)
+    held_out = TaskGenerator(5, "eval", {"count": 1.0}, suite="v3", long_counts=1.0, low_count_starts=0.5).batch(300)
+    assert sum(int(re.findall(r"\d+", ex.user)[0]) <= 20 for ex in held_out) < 30
+
+
 # ----- suite v3: structured output (json, tool calls) --------------------------------------------------------
 def test_v3_json_and_tool_answers_are_what_the_template_renders_and_held_out_like_math() -> None:
     from redraft.engine.tokenizer import Tokenizer

@@ -40,6 +40,9 @@ MODE_PARAMS: dict[str, dict[str, Any]] = {
 }
 ALL_MODES = ["Q", "S", "S-noedit", "Q-noedit"]
 MBE_MODES = ["S-W2", "S-W3", "Q-W2", "Q-W3"]
+# what --set may change in every setting, with its type
+SWEEPABLE = {"threshold": float, "edit_threshold": float, "max_post_steps": int, "mbe_window": int,
+             "stutter_penalty": float}
 MAX_NEW_TOKENS = {"v1": 64, "v2": 128, "v3": 128}  # v2: count and repeat answers run to ~100 tokens
 
 
@@ -72,7 +75,9 @@ def classify_edits(trace: list[list[int]], output_ids: list[int], references: li
 
 def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000,
              max_new_tokens: int | None = None, threads: int = 1, suite: str | None = None,
-             families: list[str] | None = None) -> dict[str, Any]:
+             families: list[str] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each setting of `modes` on the held-out problems; `overrides` (sampling params such as threshold) apply
+    on top of every setting."""
     import torch
 
     from redraft.engine.engine import Engine
@@ -92,9 +97,9 @@ def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000
         tok = engine.tokenizer
         prompts = [tok.encode(render_prompt(ex, tok)) for ex in exs]
         refs = [[tok.encode(a) + [tok.eos_token_id] * (max_new_tokens + 1) for a in ex.answers] for ex in exs]
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {"overrides": dict(overrides or {})}
         for mode in modes:
-            params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **MODE_PARAMS[mode]}
+            params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **MODE_PARAMS[mode], **(overrides or {})}
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             result[mode] = summarise(exs, outs, refs)
             if mode == modes[0]:
@@ -151,7 +156,9 @@ def format_table(result: dict[str, Any], per_family: int) -> str:
         rows.append([m, *(f"{100 * r[f]:.1f}%" for f in families), f"{100 * r['all']:.1f}%", f"{r['tpf']:.2f}",
                      f"{r['forwards_per_req']:.2f}", f"{r['edits_per_req']:.2f}",
                      f"{r.get('mbe_edits_per_req', 0.0):.2f}", str(e["repairs"]), str(e["breaks"]), str(e["neutral"])])
-    lines = [f"exact match on {per_family} held-out problems per family ({per_family * len(families)} in all)",
+    every = ", ".join(f"{k}={v}" for k, v in result.get("overrides", {}).items())
+    lines = [f"exact match on {per_family} held-out problems per family ({per_family * len(families)} in all)"
+             + (f"; in every setting {every}" if every else ""),
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if "S" in result and "Q" in result:
@@ -201,6 +208,8 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
     p.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
                    help="evaluate only these families of the suite (the problems are those of the whole suite's draw)")
     p.add_argument("--seed", type=int, default=1000, help="seed of the held-out problem draw")
+    p.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE", dest="overrides",
+                   help="a sampling parameter for every setting, e.g. --set threshold=0.3 (repeatable)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--format", choices=["table", "json"], default=default_format,
                    help=f"a table, or one JSON object on one line (default {default_format})")
@@ -218,8 +227,14 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
     modes = args.modes or (ALL_MODES + (MBE_MODES if suite in ("v2", "v3") else []))
     if args.families and set(args.families) - set(SUITES[suite]):
         p.error(f"--families must be among suite {suite}'s: {' '.join(SUITES[suite])}")
+    overrides = {}
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SWEEPABLE:
+            p.error(f"--set takes PARAM=VALUE with PARAM one of {', '.join(sorted(SWEEPABLE))}, not {item!r}")
+        overrides[key] = SWEEPABLE[key](value)
     result = evaluate(model, args.per_family, modes, args.seed, threads=args.threads, suite=suite,
-                      families=args.families)
+                      families=args.families, overrides=overrides)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.format == "json":

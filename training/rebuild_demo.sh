@@ -70,6 +70,31 @@ redraft train-demo --run-dir runs/demo_v3c --init-from runs/demo_v3b_export --th
     --set number_init=false --set long_counts=0.5 \
     --set 'family_weights={"math": 2.5, "reverse": 0.6, "sort": 0.6, "code": 0.8, "chat": 0.5, "count": 1.0, "repeat": 0.8, "json": 3.0, "tool": 0.4}'
 
-# 10. Export v3 into the package, then measure it.
-python -m redraft.training.export --run-dir runs/demo_v3c --out engine/demo_model
-redraft eval-demo --plot docs/demo_eval.png --out docs/demo_eval.json
+python -m redraft.training.export --run-dir runs/demo_v3c --out runs/demo_v3c_export
+# 10. v3d: long counts. v3c stopped `Count from 5 to 60.` at 41 (long counts from a single-digit start were rare):
+#     count weighted 3, long counts 0.6, lr 1e-4 over 500 steps, 2 threads (about 6.5 min). It counted to 60 but
+#     lost math (73%) and short counts (92%) on 100 held-out per family.
+redraft train-demo --run-dir runs/demo_v3d --init-from runs/demo_v3c_export --threads 2 --no-progress \
+    --steps 500 --lr 1e-4 --curriculum-steps 1 --eval-every 500 \
+    --set suite='"v3"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 --set warmup_steps=30 \
+    --set number_init=false --set long_counts=0.6 --set ckpt_every=100 \
+    --set 'family_weights={"math": 2.0, "reverse": 0.8, "sort": 0.6, "code": 0.8, "chat": 0.5, "count": 3.0, "repeat": 1.2, "json": 2.0, "tool": 0.4}'
+python -m redraft.training.export --run-dir runs/demo_v3d --out runs/demo_v3d_export
+# 11. v3e: math 3 and json 2 back up, lr 8e-5 over 600 steps (about 6.5 min): Q 91.0% on 100 per family, but
+#     `Count from 5 to 60.` stopped at 41 again.
+redraft train-demo --run-dir runs/demo_v3e --init-from runs/demo_v3d_export --threads 2 --no-progress \
+    --steps 600 --lr 8e-5 --curriculum-steps 1 --eval-every 600 \
+    --set suite='"v3"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 --set warmup_steps=30 \
+    --set number_init=false --set long_counts=0.5 --set ckpt_every=100 \
+    --set 'family_weights={"math": 3.0, "reverse": 0.6, "sort": 0.5, "code": 0.6, "chat": 0.5, "count": 2.0, "repeat": 1.0, "json": 2.0, "tool": 0.3}'
+python -m redraft.training.export --run-dir runs/demo_v3e --out runs/demo_v3e_export
+# 12. v3f, the bundled v3: the same weights, lr 6e-5, and 30% of the long counts starting at 0..20 (where the
+#     numbers cross from one digit to two: low_count_starts), 600 steps (about 7 min).
+redraft train-demo --run-dir runs/demo_v3f --init-from runs/demo_v3e_export --threads 2 --no-progress \
+    --steps 600 --lr 6e-5 --curriculum-steps 1 --eval-every 600 \
+    --set suite='"v3"' --set p_mbe=0.25 --set mtf_start=0 --set eval_per_family=20 --set warmup_steps=30 \
+    --set number_init=false --set long_counts=0.5 --set low_count_starts=0.3 --set ckpt_every=100 \
+    --set 'family_weights={"math": 3.0, "reverse": 0.6, "sort": 0.5, "code": 0.6, "chat": 0.5, "count": 2.0, "repeat": 1.0, "json": 2.0, "tool": 0.3}'
+# 13. Export v3 into the package, then measure it.
+python -m redraft.training.export --run-dir runs/demo_v3f --out engine/demo_model
+redraft eval-demo --per-family 60 --threads 1 --plot docs/demo_eval.png --out docs/demo_eval.json

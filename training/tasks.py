@@ -323,11 +323,15 @@ class TaskGenerator:
     of a listed animal. Training uses it as copying practice (the held-out animals are names the model has
     never been asked about); invented names are never eval problems, and eval never uses them.
     `long_counts`: the share of count problems (train only) with B - A in 3..64 instead of the suite's 10..40,
-    so that the model stops where the prompt says rather than after a length it has learnt.
+    so that the model stops where the prompt says rather than after a length it has learnt. `low_count_starts`:
+    the share of those starting at A in 0..20, where the numbers cross from one digit to two (A is uniform in
+    0..899 otherwise, so a long count from a single digit is rare: the v3 model stopped `Count from 5 to 60.`
+    at 41).
     """
 
     def __init__(self, seed: int, split: str = "train", weights: dict[str, float] | None = None,
-                 invented_animals: float = 0.0, suite: str = "v1", long_counts: float = 0.0):
+                 invented_animals: float = 0.0, suite: str = "v1", long_counts: float = 0.0,
+                 low_count_starts: float = 0.0):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
         if suite not in SUITES:
@@ -340,6 +344,7 @@ class TaskGenerator:
         self.weights = [w[f] for f in self.families]
         self.invented_animals = invented_animals if split == "train" else 0.0
         self.long_counts = long_counts if split == "train" else 0.0
+        self.low_count_starts = low_count_starts
         self.level = 1.0
 
     def __iter__(self) -> Iterator[Example]:
@@ -356,7 +361,7 @@ class TaskGenerator:
                     return make_chat(name, self.rng.randrange(len(CHAT_TEMPLATES)))
         if family == "count" and self.rng.random() < self.long_counts:
             while True:  # a count shorter or longer than the suite's (B - A in 3..64): where to stop is read, not learnt
-                a = self.rng.randint(0, 899)
+                a = self.rng.randint(0, 20) if self.rng.random() < self.low_count_starts else self.rng.randint(0, 899)
                 ex = make_count(a, a + self.rng.randint(3, 64))
                 if split_of(ex.key, "count") == self.split:
                     return ex

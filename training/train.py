@@ -105,6 +105,7 @@ class TrainConfig:
     adaptive_mix: bool = True  # after each evaluation, sample families in proportion to their error
     invented_animals: float = 0.3  # share of chat problems about invented names (copying practice)
     long_counts: float = 0.0  # share of count problems with B - A in 3..64 (the suite: 10..40)
+    low_count_starts: float = 0.0  # share of those long counts starting at A in 0..20 (TaskGenerator)
     eos_tail_weight: float = 1.0
     p_edit: float = 0.5  # share of sequences that also get the editing (T2T) noise
     max_edit_rate: float = 0.3
@@ -356,7 +357,8 @@ class Trainer:
                                       {"params": no_decay, "weight_decay": 0.0}], lr=tcfg.lr, betas=tcfg.betas)
         self.load = RouterLoad(self.model)
         self.gen = TaskGenerator(tcfg.seed, "train", tcfg.family_weights, invented_animals=tcfg.invented_animals,
-                                 suite=tcfg.suite, long_counts=tcfg.long_counts)
+                                 suite=tcfg.suite, long_counts=tcfg.long_counts,
+                                 low_count_starts=tcfg.low_count_starts)
         self.rng = random.Random(tcfg.seed + 1)
         self.torch_gen = torch.Generator().manual_seed(tcfg.seed + 2)
         specials = {self.tok.token_to_id(t) for t in LLADA2_SPECIAL_TOKENS}
@@ -628,6 +630,7 @@ class Trainer:
             self.log({"step": self.step, "eval_error": repr(exc)})
             return
         samples = res.pop("samples", [])
+        res.pop("overrides", None)
         if self.tcfg.adaptive_mix and "Q" in res:
             self.rebalance(res["Q"])
         self.log({"step": self.step, "eval": res, "eval_seconds": round(time.time() - t, 1),
