@@ -33,9 +33,9 @@ if SUITE in ("v2", "v3"):
     FIXED += [make_count(7, 30), make_count(310, 345), make_repeat("hello", 6), make_repeat("blorp", 11)]
 if SUITE == "v3":
     FIXED += [make_json(20, "+", 5), make_tool(12, "+", 7), make_tool(40, "-", 3)]
-# Per-family floors on held-out problems: 75%, but the v3 json family (`{"answer":N}`), measured at 59-61% on
-# 100 problems (README): its sum sits after the JSON prefix, where the model computes it less well.
-FLOORS = {"json": 0.45}
+# Per-family floors on held-out problems: 75%, but the v3 json family (`{"answer":N}`), measured at 69-72% on
+# 100-200 problems (README): its sum sits after the JSON prefix, where the model computes it less well.
+FLOORS = {"json": 0.6}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_engine_without_a_model_answers_fixed_problems(engine):
 @pytest.mark.parametrize("mode", ["Q", "S"])
 def test_held_out_accuracy_per_family(engine, mode):
     """A small slice of `redraft eval-demo` (which runs 200 per family): the per-family floors and, in Q mode,
-    90% overall (v2) or 85% (v3). v2 code problems are split by the function name alone: every one here has a name the
+    90% overall. v2 code problems are split by the function name alone: every one here has a name the
     model never saw in training."""
     exs = eval_set(seed=4242, per_family=20, families=FAMILIES, suite=SUITE)
     assert all(split_of(ex.key, ex.family) == "eval" for ex in exs)
@@ -84,10 +84,8 @@ def test_held_out_accuracy_per_family(engine, mode):
         pairs = [(ex, o, r) for ex, o, r in zip(exs, outs, right) if ex.family == family]
         acc = sum(r for *_, r in pairs) / len(pairs)
         assert acc >= FLOORS.get(family, 0.75), (family, acc, [(ex.user, o["text"]) for ex, o, r in pairs if not r])
-    if mode == "Q" and SUITE == "v2":
+    if mode == "Q":  # the issue's 90% (v3: 91.4% on 100 problems per family, 92.0% on 200: README)
         assert sum(right) / len(right) >= 0.9
-    if mode == "Q" and SUITE == "v3":  # 89.9% on 100 problems per family (README)
-        assert sum(right) / len(right) >= 0.85
 
 
 def test_s_mode_fills_more_tokens_per_forward_than_q(engine):
