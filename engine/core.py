@@ -126,8 +126,10 @@ class EngineCore:
             graph_bs = max(0, min(args.cuda_graph_max_bs, args.max_running_requests))
         if self._tp_workers is not None:
             self._tp_workers.join(self.model, num_pages, args.max_running_requests)
+            from redraft.engine.tensor_parallel import backend_for
+
             log.info("tensor parallel: %d ranks (expert parallel %d), %s", args.tp_size, args.ep_size,
-                     "nccl" if on_gpu else "gloo")
+                     backend_for(args.device))
         self.runner = ModelRunner(self.model, num_pages, args.max_running_requests, self.tokenizer.mask_token_id,
                                   self.tokenizer.eos_token_id, args.device, cuda_graph_max_bs=graph_bs)
         if args.tp_size > 1:

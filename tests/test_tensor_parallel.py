@@ -55,7 +55,7 @@ def test_two_ranks_give_the_single_process_tokens(ckpt, single, ep):
             want_lp, want_score = whole.prompt_logprobs(PROMPTS[3], top_k=3), whole.score(scored)
         assert 0.4 * full < weight_bytes(eng.model) < 0.75 * full  # a shard, with the replicated parts
         got_lp = eng.prompt_logprobs(PROMPTS[3], top_k=3)
-        assert [alt for _, alt in got_lp[1:]] != [] and len(got_lp) == len(want_lp)
+        assert len(got_lp) == len(want_lp) and all(len(alt) == 3 for _, alt in got_lp[1:])
         for g, w in zip(got_lp[1:], want_lp[1:]):
             assert g[0] == pytest.approx(w[0], abs=1e-12) and [t for t, _ in g[1]] == [t for t, _ in w[1]]
         for g, w in zip(eng.score(scored), want_score):
