@@ -147,8 +147,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu-init", action="store_true",
-                   help="draw the dummy weights with the loader's CPU generator (slow at 16B) instead of on the GPU")
     p.add_argument("--write-docs", action="store_true", help=f"write the tables into {DOCS.relative_to(REPO)}")
     p.add_argument("--docs-path", default=str(DOCS), help="the page --write-docs updates")
     p.add_argument("--json-out", default=None, help="also write every number to this JSON file")
@@ -292,35 +290,14 @@ def measure_matmul_rate(dtype: torch.dtype, iters: int, n: int = 8192) -> float:
     return 2 * n**3 / (ms / 1e3)
 
 
-def _fast_dummy_init(model, seed: int = 0) -> None:
-    """Random weights drawn on the model's device (the loader's CPU generator takes minutes at 16B)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-        for layer in model.layers:
-            if hasattr(layer.mlp, "expert_bias"):
-                layer.mlp.expert_bias.normal_(0.0, 0.01, generator=gen)
-
-
 def build_engine(args, model_dir: Path, max_tokens: int):
     import redraft
-    from redraft.engine import loader
 
     kw = dict(device=DEVICE.type, dtype=args.dtype, kernel_backend="triton", load_format="dummy", seed=args.seed,
               max_total_tokens=max_tokens, max_running_requests=max(args.batches),
               cuda_graph_max_bs=max(args.batches), chunked_prefill_size=max(args.prefill + [8192]) + 4 * BLOCK,
               progress=False)
-    original = loader.init_dummy_weights
-    if not args.cpu_init:
-        loader.init_dummy_weights = _fast_dummy_init
-    try:
-        engine = redraft.Engine(str(model_dir), **kw)
-    finally:
-        loader.init_dummy_weights = original
+    engine = redraft.Engine(str(model_dir), **kw)  # dummy weights drawn on the GPU (engine/loader.py)
     if args.dry_run:  # CPU: no CUDA graphs; run their static-buffer twin eagerly so the flow is the same
         from redraft.engine.cuda_graphs import DecodeGraphs
 

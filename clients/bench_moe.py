@@ -211,41 +211,14 @@ def bench_layer(cfg, args, bw: float) -> list[dict]:
 
 
 # ---- the denoising step, bf16 vs FP8 ------------------------------------------------------------------
-def _fast_dummy_init(model, seed: int = 0) -> None:
-    """Random weights drawn on the model's device; e4m3 parameters get quantised random ones."""
-    from redraft.engine.fp8_model import quantize_into
-    from redraft.kernels.fp8 import FP8_DTYPE
-
-    dev = next(model.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif p.dtype == FP8_DTYPE:
-                for e in range(p.shape[0]) if p.dim() == 3 else [None]:  # one expert at a time: small temporaries
-                    w = torch.empty(p.shape[-2:], device=dev).normal_(0.0, 0.02, generator=gen)
-                    quantize_into(model, name, w, (e,) if e is not None else ())
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-        for layer in model.layers:
-            if hasattr(layer.mlp, "expert_bias"):
-                layer.mlp.expert_bias.normal_(0.0, 0.01, generator=gen)
-
-
 def build_engine(model_dir: Path, dtype: str, quantization: str | None, args, max_tokens: int):
     import redraft
-    from redraft.engine import loader
 
-    original = loader.init_dummy_weights
-    loader.init_dummy_weights = _fast_dummy_init
-    try:
-        engine = redraft.Engine(str(model_dir), device=DEVICE.type, dtype=dtype, kernel_backend="triton",
-                                quantization=quantization, load_format="dummy", seed=args.seed,
-                                max_total_tokens=max_tokens, max_running_requests=1, cuda_graph_max_bs=1,
-                                progress=False)
-    finally:
-        loader.init_dummy_weights = original
+    # dummy weights are drawn on the GPU (engine/loader.py)
+    engine = redraft.Engine(str(model_dir), device=DEVICE.type, dtype=dtype, kernel_backend="triton",
+                            quantization=quantization, load_format="dummy", seed=args.seed,
+                            max_total_tokens=max_tokens, max_running_requests=1, cuda_graph_max_bs=1,
+                            progress=False)
     if args.dry_run:  # CPU: the CUDA graph's static-buffer twin, run eagerly
         from redraft.engine.cuda_graphs import DecodeGraphs
 

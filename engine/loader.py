@@ -244,7 +244,14 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
 
 
 def init_dummy_weights(model: LLaDA2Model, seed: int = 0) -> None:
-    """Random weights of the right shapes (`load_format="dummy"`): benchmarks at real shapes, no checkpoint."""
+    """Random weights of the right shapes (`load_format="dummy"`): benchmarks at real shapes, no checkpoint.
+
+    On CPU the draws come from one CPU generator (the tests' checkpoints depend on them); on a GPU they are drawn
+    there (a CPU generator takes minutes at 16B parameters), e4m3 weights one expert at a time."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        _init_dummy_on_device(model, seed, device)
+        return
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -256,6 +263,23 @@ def init_dummy_weights(model: LLaDA2Model, seed: int = 0) -> None:
     for layer in model.layers:
         if hasattr(layer.mlp, "expert_bias"):
             layer.mlp.expert_bias.data.copy_(torch.randn(layer.mlp.expert_bias.shape, generator=gen) * 0.01)
+
+
+@torch.no_grad()
+def _init_dummy_on_device(model: LLaDA2Model, seed: int, device: torch.device) -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.dtype == fp8q.FP8_DTYPE:
+            for e in range(p.shape[0]) if p.dim() == 3 else [None]:  # one expert at a time: small temporaries
+                w = torch.empty(p.shape[-2:], device=device).normal_(0.0, 0.02, generator=gen)
+                fp8_model.quantize_into(model, name, w, (e,) if e is not None else ())
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    for layer in model.layers:
+        if hasattr(layer.mlp, "expert_bias"):
+            layer.mlp.expert_bias.normal_(0.0, 0.01, generator=gen)
 
 
 def load_model(

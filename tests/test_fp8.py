@@ -329,3 +329,27 @@ def test_dummy_weights_fp8(tiny):
     w = q.dequantize_weight(moe.w13[0], moe.w13_scale[0], moe.w13.shape[1] // 2)
     assert 0.015 < float(w.std()) < 0.025  # the loader's N(0, 0.02) draw, through e4m3
     assert torch.isfinite(model.layers[0].attn.qkv.weight_scale).all()
+
+
+def test_dummy_weights_drawn_on_the_device_fill_every_parameter(tiny):
+    """The GPU path of load_format="dummy" (drawn where the model lives, e4m3 experts one at a time), run here on
+    CPU: every parameter is overwritten, every expert's blocks get scales, weights ~ N(0, 0.02)."""
+    from redraft.engine.config import ModelConfig
+    from redraft.engine.loader import _init_dummy_on_device, load_model
+
+    model = load_model(tiny, ModelConfig.from_pretrained(tiny), load_format="dummy", quantization="fp8")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name, b in model.named_buffers():
+            if name.endswith("_scale"):
+                b.fill_(float("nan"))
+    _init_dummy_on_device(model, 0, torch.device("cpu"))
+    for name, p in model.named_parameters():
+        assert p.float().abs().sum() > 0, name
+    moe = model.layers[1].mlp
+    for e in range(moe.w13.shape[0]):
+        assert torch.isfinite(moe.w13_scale[e]).all() and torch.isfinite(moe.w2_scale[e]).all()
+        w = q.dequantize_weight(moe.w13[e], moe.w13_scale[e], moe.w13.shape[1] // 2)
+        assert 0.015 < float(w.std()) < 0.025
+    assert torch.isfinite(model.layers[0].attn.qkv.weight_scale).all()

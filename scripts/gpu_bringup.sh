@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One GPU session's worth of checks and benchmarks, in the order that gives the most per minute of device time.
+#
+#   bash scripts/gpu_bringup.sh                        # every phase
+#   bash scripts/gpu_bringup.sh kernels step           # some phases
+#   WHEELS=wheels bash scripts/gpu_bringup.sh setup    # install redraft's missing dependencies from local wheels
+#
+# Phases: setup, info, kernels, step, moe, serve. Logs, JSON and the updated docs/gpu.md go to $OUT (default
+# ./gpu-out). Each phase has its own time limit, so one hang cannot eat the others' time; a phase's failure is
+# recorded and the next one runs.
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(setup info kernels step moe serve)
+status="$OUT/status.txt"
+
+run_phase() {  # name, time limit (s), command...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/$name.log"
+    timeout -k 10 "$limit" "$@" >>"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc ${SECONDS}s-${t0}s=$((SECONDS - t0))s" | tee -a "$status"
+    tail -n 25 "$OUT/$name.log"
+}
+
+setup() {
+    if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$WHEELS"/*.whl || return 1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+    $PY -c "import redraft.engine, redraft.server.http_server; print('redraft imports')"
+}
+
+info() {
+    nvidia-smi
+    $PY - <<'EOF'
+import torch, triton
+p = torch.cuda.get_device_properties(0)
+print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0),
+      p.multi_processor_count, "SMs", round(p.total_memory / 2**30, 1), "GiB")
+EOF
+    git log -1 --format='commit %H %s' 2>/dev/null || true
+}
+
+serve_bench() {
+    local dir=/tmp/llada2.1-mini-dummy port=30000
+    $PY -c "from redraft.clients.bench_gpu_step import write_model_dir; write_model_dir('$dir', 'mini')" || return 1
+    $PY -m redraft serve --device cuda --kernel-backend triton --load-format dummy --model "$dir" --port $port \
+        --max-running-requests 128 --cuda-graph-max-bs 128 --log-level info >"$OUT/serve_server.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 300); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 $pid 2>/dev/null || { echo "server exited"; return 1; }
+        sleep 1
+    done
+    echo "server ready after ${SECONDS}s"
+    curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics_before.txt"
+    $PY -m redraft bench --base-url "http://127.0.0.1:$port" --concurrency 1 8 32 64 128 --num-requests 128 \
+        --max-seconds 25 --grace-seconds 10 --output-len 64 64 --ignore-eos --modes S --json "$OUT/serve_bench.json"
+    local rc=$?
+    curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics_after.txt"
+    kill -TERM $pid
+    wait $pid
+    return $rc
+}
+
+for phase in "${phases[@]}"; do
+    case $phase in
+        setup) setup >"$OUT/setup.log" 2>&1; echo "setup rc=$?" | tee -a "$status"; tail -n 5 "$OUT/setup.log" ;;
+        info) run_phase info 60 bash -c "$(declare -f info); info" ;;
+        kernels) run_phase kernels "${KERNELS_LIMIT:-200}" $PY -m pytest -q -m kernels -n 8 -p no:cacheprovider \
+                     --timeout 170 -rfE ;;
+        step) run_phase step "${STEP_LIMIT:-200}" $PY -m redraft.clients.bench_gpu_step --write-docs \
+                  --json-out "$OUT/step.json" ;;
+        moe) run_phase moe "${MOE_LIMIT:-170}" $PY -m redraft.clients.bench_moe --write-docs \
+                 --json-out "$OUT/moe.json" ;;
+        serve) run_phase serve "${SERVE_LIMIT:-240}" bash -c "$(declare -f serve_bench); OUT='$OUT' PY='$PY' serve_bench" ;;
+        *) echo "unknown phase $phase" ;;
+    esac
+done
+cp docs/gpu.md "$OUT/gpu.md" 2>/dev/null
+cat "$status"
