@@ -38,6 +38,7 @@ MAX_STOP_STRINGS = 4  # OpenAI's cap, on every route
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 INT64_MAX = 2**63 - 1
+MAX_DOMAIN_LEN = 64  # as on the OpenAI routes: a label, not a text
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark")  # structured output: the constraint fields
 
 # Level 4: what a request gets when no level names a value. max_new_tokens from here (or from any default
@@ -193,8 +194,8 @@ class SamplingParams:
                 fail(f"{name} must be a boolean", name)
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
             fail("top_logprobs must be an integer in [0, 20]", "top_logprobs")
-        if self.domain is not None and not isinstance(self.domain, str):
-            fail("domain must be a string", "domain")
+        if self.domain is not None and (not isinstance(self.domain, str) or len(self.domain) > MAX_DOMAIN_LEN):
+            fail(f"domain must be a string of at most {MAX_DOMAIN_LEN} characters", "domain")
         if not _is_num(self.stutter_penalty) or not 0.0 <= self.stutter_penalty <= 100.0:
             fail("stutter_penalty must be a number in [0, 100]", "stutter_penalty")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.engine.output_stream import OutputStream
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
+from redraft.server.dials import DIALS, DialError, lift_dials
 from redraft.server.common import (RETRY_AFTER, APIError, ChoiceStream, ServerState, check_model, engine_error,
                                    error_response, run_all, run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.engine_client import EngineDead
@@ -35,6 +36,7 @@ from redraft.server.middleware import install_middleware
 from redraft.server.openai_protocol import reject_lone_surrogates
 
 log = logging.getLogger("redraft.http")
+SMG_NO_MODEL = "unknown"  # the `model` smg puts on a /generate that named none
 
 
 class GenerateBody(BaseModel):
@@ -54,6 +56,7 @@ class GenerateBody(BaseModel):
     # what SGLang clients and sglang-router add (docs/scaling.md): `model` must name the served model; the
     # logging switches are no-ops; the features redraft lacks are accepted only when off
     model: str | None = None
+    metadata: dict[str, str] | None = None  # may carry dials (server/dials.py)
     log_metrics: bool = True
     no_logs: bool = False
     return_hidden_states: bool = False
@@ -104,8 +107,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in err.get("loc", []) if x != "body"]
-        param = ".".join(loc) or None
-        msg = err.get("msg", "invalid request")
+        param = ".".join(loc) or getattr(err.get("ctx", {}).get("error"), "param", None)
+        msg = err.get("msg", "invalid request").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = f"unsupported field: {param}"
         elif err.get("type") == "json_invalid":  # its loc holds a character position, not a field
@@ -183,12 +186,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
-        check_model(state, body.model)
+        # smg fills in "unknown" when the client named no model: that is no model, not a wrong one
+        check_model(state, None if body.model == SMG_NO_MODEL else body.model)
         for flag in ("return_hidden_states", "return_entropy", "return_bytes", "background"):
             if getattr(body, flag):
                 raise APIError(400, f"{flag} is not supported (only false)", param=flag)
         prompts = await _native_prompts(state, body)
-        raw_params = dict(body.sampling_params or {})
+        raw_params = _with_carried_dials(body)
         if body.return_logprob:
             raw_params.update(logprobs=True, top_logprobs=body.top_logprobs_num)
         try:
@@ -238,6 +242,21 @@ def _openapi_with_400(app: FastAPI) -> dict:
                     responses["400"] = {**responses.pop("422"), "description": "Invalid request"}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _with_carried_dials(body: GenerateBody) -> dict[str, Any]:
+    """sampling_params with the dials that came in `sampling_params.custom_params` or `metadata` (smg keeps
+    both; server/dials.py)."""
+    raw = dict(body.sampling_params or {})
+    custom = raw.pop("custom_params", None)
+    if custom is not None and (not isinstance(custom, dict) or set(custom) - set(DIALS)):
+        raise APIError(400, f"sampling_params.custom_params may hold only redraft's dials ({', '.join(DIALS)})",
+                       param="sampling_params.custom_params")
+    try:
+        return lift_dials(raw, {"sampling_params.custom_params": custom, "metadata": body.metadata},
+                          prefix="sampling_params.")
+    except DialError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
 
 
 def _token_texts(meta: dict, tokenizer: Any) -> None:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from redraft.server.dials import lift_dials, without_dials
 from redraft.protocol.sampling_params import MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_N = 16
@@ -191,7 +192,15 @@ class _Common(Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        return merge_extra_body(reject_lone_surrogates(data))
+        data = merge_extra_body(reject_lone_surrogates(data))
+        if not isinstance(data, dict):
+            return data
+        # dials spelt inside the maps a router keeps (server/dials.py); the template never sees them
+        carriers = {k: data.get(k) for k in ("chat_template_kwargs", "metadata") if k in cls.model_fields}
+        data = lift_dials(data, carriers)
+        if isinstance(data.get("chat_template_kwargs"), dict):
+            data["chat_template_kwargs"] = without_dials(data["chat_template_kwargs"])
+        return data
 
     @field_validator("stop")
     @classmethod

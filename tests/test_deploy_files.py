@@ -120,10 +120,15 @@ def test_router_dockerfile_lints_clean_and_pins_the_router():
     base = next(a for k, a in ins if k == "FROM")
     assert re.search(r":\d+(\.\d+)+", base), base
     args = {a.split("=")[0]: a.split("=", 1)[1] for k, a in ins if k == "ARG" and "=" in a}
-    assert re.fullmatch(r"\d+\.\d+\.\d+", args.get("SGLANG_ROUTER_VERSION", "")), "pin the router"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args.get("ROUTER_VERSION", "")), "pin the router"
     from importlib.metadata import version
 
-    assert version("sglang-router") == args["SGLANG_ROUTER_VERSION"], "the image pins the router the tests ran"
+    assert args["ROUTER_PACKAGE"] == "smg" and args["ROUTER_MODULE"] == "smg", "smg is the default router"
+    assert version(args["ROUTER_PACKAGE"]) == args["ROUTER_VERSION"], "the image pins the router the tests ran"
+    # the documented build for the older router names the version the tests run
+    assert f"ROUTER_VERSION={version('sglang-router')}" in ROUTER_DOCKERFILE.read_text()
+    entry = next(a for k, a in ins if k == "ENTRYPOINT")
+    assert "exec python -m" in entry and "launch_router" in entry
     user = [a for k, a in ins if k == "USER"]
     assert user and re.fullmatch(r"[1-9]\d*(:\d+)?", user[-1]), user
     assert "/health" in next(a for k, a in ins if k == "HEALTHCHECK")
@@ -408,7 +413,7 @@ def test_router_manifests_validate_and_wire_to_the_replicas():
     names = {p["name"] for p in container["ports"]}
     assert all(p["targetPort"] in names for p in docs["Service"]["spec"]["ports"])
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-    assert container["image"] == "redraft-router:" + re.search(r"SGLANG_ROUTER_VERSION=(\S+)",
+    assert container["image"] == "redraft-router:" + re.search(r"ARG ROUTER_VERSION=(\S+)",
                                                                ROUTER_DOCKERFILE.read_text()).group(1)
 
 

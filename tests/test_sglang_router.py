@@ -21,22 +21,30 @@ from live_server import RedraftServer, free_port
 from redraft.engine.defaults import BUNDLED_MODEL_DIR
 from redraft.engine.tokenizer import Tokenizer
 
-pytest.importorskip("sglang_router", reason="sglang-router is in the dev extra: pip install -e '.[dev]'")
-
 pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "What is 12 + 30?"}]
 STARTUP_S = 60.0
 
 
+ROUTERS = ["sglang_router", "smg"]  # module whose launch_router runs it: sglang-router 0.3, its successor smg
+
+
 @pytest.fixture(scope="module")
-def fleet(request, tmp_path_factory):
-    replicas = [RedraftServer(None, tmp_path_factory.mktemp(f"replica{i}"), ["--cpu-threads", "1"]) for i in range(2)]
-    for r in replicas:
+def replicas(request, tmp_path_factory) -> list[RedraftServer]:
+    out = [RedraftServer(None, tmp_path_factory.mktemp(f"replica{i}"), ["--cpu-threads", "1"]) for i in range(2)]
+    for r in out:
         request.addfinalizer(r.stop)
         r.start()
+    return out
+
+
+@pytest.fixture(scope="module", params=ROUTERS)
+def fleet(request, replicas, tmp_path_factory):
+    module = request.param
+    pytest.importorskip(module, reason=f"{module} is in the dev extra: pip install -e '.[dev]'")
     port, log = free_port(), tmp_path_factory.mktemp("router") / "router.log"
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", f"{module}.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
     with open(log, "wb") as f:
@@ -153,3 +161,105 @@ def test_sglang_fields_keep_their_meaning(fleet) -> None:
     r = httpx.post(direct + "/v1/chat/completions", json={**base, "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
     assert json.loads(json.dumps(gen))  # plain JSON all the way
+
+
+# ---- every dial survives the router (server/dials.py; docs/scaling.md has the table) -----------------------------
+VALID = {"mode": "S", "threshold": 0.95, "edit_threshold": 0.1, "max_post_steps": 2, "mbe_window": 2,
+         "stutter_penalty": 0.5, "domain": "math"}
+INVALID = {"mode": "Z", "threshold": 7, "edit_threshold": 7, "max_post_steps": -1, "mbe_window": 99,
+           "stutter_penalty": -1, "domain": "x" * 100}
+# the spellings each router passes on, per route (measured with a recording replica; docs/scaling.md)
+CARRIERS = {
+    "sglang_router": {"chat": ["chat_template_kwargs", "metadata"], "completions": ["top", "metadata"],
+                      "generate": []},
+    "smg": {"chat": ["top", "chat_template_kwargs", "metadata"], "completions": ["top", "metadata"],
+            "generate": ["custom_params", "metadata"]},
+}
+
+
+def _carry(body: dict, carrier: str, name: str, value) -> dict:
+    if carrier == "top":
+        return {**body, name: value}
+    if carrier == "metadata":
+        return {**body, "metadata": {name: str(value)}}
+    if carrier == "custom_params":
+        return {**body, "sampling_params": {**body["sampling_params"], "custom_params": {name: value}}}
+    return {**body, carrier: {name: value}}
+
+
+
+
+
+def _summary(route: str, r: httpx.Response) -> tuple:
+    assert r.status_code == 200, r.text[:500]
+    j = r.json()
+    if route == "generate":
+        return j["text"], j["meta_info"]["completion_tokens"], j["meta_info"]["steps"]
+    text = j["choices"][0]["message"]["content"] if route == "chat" else j["choices"][0]["text"]
+    return text, j["usage"]["completion_tokens"]
+
+
+def test_every_dial_reaches_the_engine_through_the_router(fleet, request) -> None:
+    """Per route and spelling the router keeps: an invalid value is a 400 naming the dial through the router (so
+    the dial arrived), and a valid one gets the direct answer."""
+    url, replicas, _ = fleet
+    router = request.node.callspec.params["fleet"]
+    direct = replicas[0].url
+    bases = {
+        "chat": ("/v1/chat/completions", {"model": "demo_model", "temperature": 0, "max_tokens": 24,
+                                          "messages": [{"role": "user", "content": "Repeat the word zorp 5 times."}]}),
+        "completions": ("/v1/completions", {"model": "demo_model", "temperature": 0, "max_tokens": 24,
+                                            "prompt": "Count from 3 to 12."}),
+        "generate": ("/generate", {"text": "What is 48 + 27?", "sampling_params": {"max_new_tokens": 24,
+                                                                                    "temperature": 0}}),
+    }
+    checked = 0
+    for route, carriers in CARRIERS[router].items():
+        path, base = bases[route]
+        for carrier in carriers:
+            for name in VALID:
+                bad = httpx.post(url + path, json=_carry(base, carrier, name, INVALID[name]), timeout=60)
+                assert bad.status_code == 400, (router, route, carrier, name, bad.status_code, bad.text[:300])
+                assert name in bad.json()["error"]["message"] + str(bad.json()["error"]["param"])
+                body = _carry(base, carrier, name, VALID[name])
+                got = _summary(route, httpx.post(url + path, json=body, timeout=60))
+                want = _summary(route, httpx.post(direct + path, json=body, timeout=60))
+                assert got == want, (router, route, carrier, name)
+                checked += 1
+    assert checked >= 7 * 4
+
+
+def test_a_dial_changes_the_answer_the_router_returns(fleet) -> None:
+    """The dial is not only accepted but used: mode S through the router reports mode S; a high threshold costs
+    forwards, in the routed answer as in the direct one."""
+    url, replicas, _ = fleet
+    base = {"model": "demo_model", "temperature": 0, "max_tokens": 32,
+            "messages": [{"role": "user", "content": "Count from 10 to 30."}]}
+    plain = httpx.post(replicas[0].url + "/v1/chat/completions", json=base, timeout=60).json()
+    slow = {**base, "chat_template_kwargs": {"threshold": 0.999}}
+    routed = httpx.post(url + "/v1/chat/completions", json=slow, timeout=60).json()
+    direct = httpx.post(replicas[0].url + "/v1/chat/completions", json=slow, timeout=60).json()
+    assert routed["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert direct["diffusion"]["forwards"] > plain["diffusion"]["forwards"]
+    if "diffusion" in routed:  # (a router may drop fields it does not know from the answer)
+        assert routed["diffusion"]["forwards"] == direct["diffusion"]["forwards"]
+
+
+def test_streamed_answers_carry_the_dials_too(fleet) -> None:
+    url, replicas, _ = fleet
+    body = {"model": "demo_model", "temperature": 0, "max_tokens": 32, "stream": True,
+            "messages": [{"role": "user", "content": "Count from 10 to 30."}],
+            "chat_template_kwargs": {"mode": "S", "threshold": 0.9}}
+
+    def text(base: str) -> str:
+        out = ""
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    out += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:]).get("choices", []))
+        return out
+
+    assert text(url) == text(replicas[0].url) != ""
+    bad = httpx.post(url + "/v1/chat/completions", json={**body, "chat_template_kwargs": {"mode": "Z"}}, timeout=60)
+    assert bad.status_code == 400
