@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +79,12 @@ class EngineCore:
         path = resolve_model_path(args.model_path, args.revision)
         self.model_path = path
         self.model_config = ModelConfig.from_pretrained(path)
-        self.tokenizer = Tokenizer.from_pretrained(path)
+        if args.context_length is not None and args.context_length > self.model_config.max_position_embeddings:
+            raise ValueError(f"--context-length {args.context_length} is longer than this checkpoint's "
+                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        # seeds of sampled requests that bring none: fresh randomness, or replayable with --random-seed
+        self._seeds = random.Random(args.random_seed) if args.random_seed is not None else random.SystemRandom()
+        self.tokenizer = Tokenizer.from_pretrained(path, args.chat_template)
         # The defaults chain below the request: the operator's explicit flags, then generation_config.json.
         self.default_levels = (args.request_defaults(), read_generation_config(path))
         t0 = time.perf_counter()
@@ -155,7 +160,8 @@ class EngineCore:
 
     @property
     def max_model_len(self) -> int:
-        return self.model_config.max_position_embeddings
+        """The checkpoint's context, or the operator's lower cap (--context-length)."""
+        return min(self.model_config.max_position_embeddings, self.args.context_length or 2**62)
 
     # ---- admission: the one place a request is checked and its defaults resolved ----------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Accepted:
@@ -189,7 +195,7 @@ class EngineCore:
             raise RequestRejected(f"min_tokens ({resolved.min_tokens}) is larger than max_new_tokens "
                                   f"({resolved.max_new_tokens})", param="min_tokens")
         if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
-            resolved = _with_seed(resolved, secrets.randbits(62))
+            resolved = _with_seed(resolved, self._seeds.getrandbits(62))
         req = Request(rid=rid, prompt_ids=ids, params=resolved, mask_id=mask_id,
                       eos_id=self.tokenizer.eos_token_id, edit_trace=[] if self.args.trace_edits else None)
         if resolved.grammar is not None:

@@ -127,6 +127,23 @@ def _make_jinja_env() -> _StrictSandbox:
 _JINJA_ENV = _make_jinja_env()
 
 
+def read_chat_template_arg(value: str) -> str:
+    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM takes it); compiled here
+    so that a broken one fails at start-up with its reason, not at the first request."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        source = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise FileNotFoundError(f"--chat-template: no such file: {value}")
+    try:
+        compile_chat_template(source)
+    except ChatTemplateError as exc:
+        raise ValueError(f"--chat-template does not compile: {exc}") from exc
+    return source
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the sandbox; syntax errors become ChatTemplateError."""
     try:
@@ -213,7 +230,8 @@ class Tokenizer:
         raise ValueError(f"unrecognised chat_template entry in tokenizer_config.json: {type(raw).__name__}")
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> "Tokenizer":
+        """`chat_template`: the operator's replacement for the checkpoint's (read_chat_template_arg)."""
         model_dir = Path(model_dir)
         tok_path = model_dir / "tokenizer.json"
         if not tok_path.is_file():
@@ -224,6 +242,8 @@ class Tokenizer:
         jinja_path = model_dir / "chat_template.jinja"
         if not config.get("chat_template") and jinja_path.is_file():
             config["chat_template"] = jinja_path.read_text(encoding="utf-8")
+        if chat_template is not None:
+            config["chat_template"] = read_chat_template_arg(chat_template)
         return cls(_HFTokenizer.from_file(str(tok_path)), config)
 
     # ----- basic encode / decode -----

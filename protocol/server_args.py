@@ -19,6 +19,18 @@ from typing import Any
 from redraft.protocol.sampling_params import MAX_MBE_WINDOW, MODES, Defaults
 
 DEFAULT_DOMAINS = ("code", "math", "chat")  # the metrics' `domain` label values unless --domains says otherwise
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _port(text: str) -> int:
+    """argparse type of --port: an integer in 1..65535, or a clear error."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 1..65535")
+    return port
 
 
 def _opt(help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (), choices: tuple | None = None,
@@ -50,14 +62,19 @@ class ServerArgs:
                             choices=("auto", "safetensors", "dummy"), default="auto")
     seed: int = _opt("seed of load_format=dummy weights", cli="", default=0)
     tp_size: int = _opt("tensor parallelism: engine processes (ranks) sharing each layer, one per GPU on cuda "
-                        "(gloo on cpu); docs/scaling.md", default=1, type=int)
+                        "(gloo on cpu); docs/scaling.md", default=1, type=int, aliases=("--tensor-parallel-size",))
     ep_size: int = _opt("expert parallelism: 1 (experts split like the dense layers) or tp_size (whole experts "
                         "placed on ranks)", default=1, type=int)
     # ---- memory and batching -------------------------------------------------------------------------
     max_total_tokens: int | None = _opt("KV cache capacity in tokens (default: sized for the device)", type=int)
-    mem_fraction_static: float = _opt("GPU memory share for weights + KV cache", default=0.85, type=float)
-    chunked_prefill_size: int = _opt("prefill-token budget of one iteration", default=8192, type=int)
-    max_running_requests: int = _opt("requests decoded together at most", default=256, type=int)
+    mem_fraction_static: float = _opt("GPU memory share for weights + KV cache", default=0.85, type=float,
+                                      aliases=("--gpu-memory-utilization",))
+    chunked_prefill_size: int = _opt("prefill-token budget of one iteration", default=8192, type=int,
+                                     aliases=("--max-num-batched-tokens",))
+    max_running_requests: int = _opt("requests decoded together at most", default=256, type=int,
+                                     aliases=("--max-num-seqs",))
+    context_length: int | None = _opt("cap the context (prompt + output tokens) below the checkpoint's "
+                                      "max_position_embeddings", type=int, aliases=("--max-model-len",))
     max_queued_requests: int | None = _opt("beyond this many waiting requests: 503", type=int)
     schedule_policy: str = _opt("admission order: first come first served, or longest cached prefix first",
                                 choices=("fcfs", "lpm"), default="fcfs")
@@ -71,6 +88,10 @@ class ServerArgs:
     mbe_window: int | None = _opt(
         f"multi-block editing window (open blocks, 1..{MAX_MBE_WINDOW}) of requests that name none (default 1: "
         "the official single-block loop; docs/mbe.md)", type=int)
+    random_seed: int | None = _opt("seeds the seeds of sampled requests that bring none, so a server run can be "
+                                   "replayed (default: fresh randomness)", type=int)
+    chat_template: str | None = _opt("a Jinja chat template (a file, or the template itself) replacing the "
+                                     "checkpoint's; rendered in the same sandbox")
     # ---- speed -----------------------------------------------------------------------------------------
     cuda_graph_max_bs: int = _opt("largest batch replayed from a CUDA graph", default=64, type=int)
     disable_cuda_graph: bool = _opt("run the denoising step eagerly on GPUs too", default=False, action="store_true")
@@ -78,7 +99,7 @@ class ServerArgs:
                                    "out among the --tp-size ranks; 1 is best on a busy machine)", type=int)
     # ---- HTTP server -----------------------------------------------------------------------------------
     host: str = _opt("address to listen on", cli="serve", default="127.0.0.1")
-    port: int = _opt("port to listen on", cli="serve", default=30000, type=int)
+    port: int = _opt("port to listen on", cli="serve", default=30000, type=_port)
     served_model_name: str | None = _opt("the model name clients use (default: the folder name)", cli="serve")
     api_key: tuple[str, ...] = _opt(
         "require `Authorization: Bearer KEY` (repeat for several keys; /health, /live and /metrics stay open)",
@@ -95,7 +116,7 @@ class ServerArgs:
                                         "completions prompts x n (more: 400)", cli="serve", default=256, type=int)
     domains: str = _opt("the values of the metrics' `domain` label (a request's domain outside them counts as "
                         "`other`), comma-separated", cli="serve", default=",".join(DEFAULT_DOMAINS))
-    log_level: str = _opt("logging level", default="info")
+    log_level: str = _opt("logging level", default="info", choices=LOG_LEVELS, type=str.lower)
     # ---- Python only ---------------------------------------------------------------------------------------
     progress: bool = _opt("progress bar while loading weights", cli="", default=True)
     # Benchmark baseline: every forward recomputes the whole prefix (the official generate() without a KV
@@ -112,6 +133,10 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.kernel_backend not in ("torch", "triton"):
             raise ValueError(f"unknown kernel backend {self.kernel_backend!r} (choose torch or triton)")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be positive, got {self.context_length}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.request_defaults()  # range checks
 
     @property

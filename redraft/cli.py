@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -13,9 +14,62 @@ if TYPE_CHECKING:
 
 
 
+# SGLang's and vLLM's flags that redraft takes and that change nothing here (said once at start-up)
+NOOP_FLAGS = {
+    "--trust-remote-code": "redraft runs no code from a checkpoint",
+    "--enable-metrics": "/metrics is always on",
+    "--disable-log-requests": "redraft logs no request contents",
+    "--tool-call-parser": "tool calls are read in LLaDA2's own <tool_call> format, always",
+}
+NOOP_WITH_VALUE = {"--tool-call-parser"}
+# theirs that name a feature redraft does not have: refused with what to do instead
+REFUSED_FLAGS = {
+    "--dp-size": "data parallelism is replicas behind smg (docs/scaling.md)",
+    "--data-parallel-size": "data parallelism is replicas behind smg (docs/scaling.md)",
+    "--pipeline-parallel-size": "pipeline parallelism is not supported; use --tp-size",
+    "--pp-size": "pipeline parallelism is not supported; use --tp-size",
+    "--enable-lora": "LoRA adapters are not supported",
+    "--lora-paths": "LoRA adapters are not supported",
+    "--speculative-algorithm": "block diffusion drafts and edits by itself; there is no draft model",
+    "--reasoning-parser": "LLaDA2 has no reasoning format to parse",
+}
+API_KEY_ENV = {"api_key": "REDRAFT_API_KEY", "admin_api_key": "REDRAFT_ADMIN_API_KEY"}
+
+
+class _NoopValue(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), option_string])
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is not supported: {REFUSED_FLAGS[option_string]}")
+
+
+def add_compat_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags SGLang's and vLLM's users type that have no redraft field: accepted no-ops, or refused by name."""
+    for flag in NOOP_FLAGS:
+        if flag in NOOP_WITH_VALUE:
+            parser.add_argument(flag, action=_NoopValue, dest="noop_flags", help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, action="append_const", const=flag, dest="noop_flags", help=argparse.SUPPRESS)
+    for flag in REFUSED_FLAGS:
+        parser.add_argument(flag, nargs="?", action=_Refused, help=argparse.SUPPRESS)
+
+
 def engine_args(args: argparse.Namespace) -> "ServerArgs":
     from redraft.protocol.server_args import ServerArgs
 
+    positional = getattr(args, "model_positional", None)
+    if positional is not None:
+        if args.model_path is not None and args.model_path != positional:
+            raise ValueError(f"two models: {positional!r} (positional) and --model {args.model_path!r}")
+        args.model_path = positional
+    for key, env in API_KEY_ENV.items():  # keys from the environment keep them out of `ps`
+        if hasattr(args, key) and not getattr(args, key) and os.environ.get(env):
+            setattr(args, key, [k.strip() for k in os.environ[env].split(",") if k.strip()])
+    for flag in getattr(args, "noop_flags", None) or ():
+        logging.getLogger("redraft").info("%s: accepted, no effect (%s)", flag, NOOP_FLAGS[flag])
     return ServerArgs.from_cli(args)
 
 
@@ -63,13 +117,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.")
+    parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.",
+                                     epilog="Each command has its own flags: `redraft serve --help`, "
+                                            "`redraft generate --help`, `redraft bench --help`.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from redraft.protocol.server_args import ServerArgs
 
-    srv = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible and SGLang-native routes")
+    srv = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible and SGLang-native routes",
+                         epilog="SGLang's and vLLM's names work too (--tensor-parallel-size, --max-model-len, "
+                                "--gpu-memory-utilization, --max-num-seqs, a positional MODEL, ...); API keys may "
+                                "come from REDRAFT_API_KEY / REDRAFT_ADMIN_API_KEY (comma-separated).")
+    srv.add_argument("model_positional", nargs="?", metavar="MODEL", help="the model, as --model")
     ServerArgs.add_cli_args(srv, ("engine", "serve"))
+    add_compat_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one prompt -> completion, offline")

@@ -67,7 +67,7 @@ def serve(args: ServerArgs) -> int:
     hub_id = args.model_path is not None and not Path(args.model_path).expanduser().is_dir()
     name = args.served_model_name or (args.model_path if hub_id else model_path.name)
     args = args.replace(model_path=str(model_path))
-    tokenizer = Tokenizer.from_pretrained(model_path)
+    tokenizer = Tokenizer.from_pretrained(model_path, args.chat_template)
     log.info("starting the engine process for %s", model_path)
     client = EngineClient(args, max_restarts=args.engine_restarts)
     client.start()
