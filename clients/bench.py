@@ -335,6 +335,10 @@ async def detect(client: "httpx.AsyncClient", base_url: str, headers: dict, args
 
 async def bench(args: argparse.Namespace) -> dict:
     base_url = args.base_url.rstrip("/")
+    if base_url.endswith("/v1"):  # an OpenAI SDK habit; the routes are appended here
+        print(f"bench: --base-url {base_url} ends with /v1: using {base_url[:-3]} (the server's root)",
+              file=sys.stderr)
+        base_url = base_url[:-3]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = ([Level("concurrency", c) for c in args.concurrency] if args.concurrency
               else [Level("request_rate", r) for r in args.request_rate])

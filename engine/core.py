@@ -383,7 +383,8 @@ class EngineCore:
             "device": a.device,
             "dtype": a.resolved_dtype,
             "kernel_backend": a.kernel_backend,
-            "default_mode": a.default_mode,
+            # what a request that names no mode gets: the operator's flag, generation_config.json's, else Q
+            "default_mode": next((level.mode for level in self.default_levels if level.mode), "Q"),
             "max_running_requests": a.max_running_requests,
             "max_queued_requests": a.max_queued_requests,
             "num_params": self.model_config.num_params(),

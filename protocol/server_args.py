@@ -78,7 +78,8 @@ class ServerArgs:
     max_queued_requests: int | None = _opt("beyond this many waiting requests: 503", type=int)
     schedule_policy: str = _opt("admission order: first come first served, or longest cached prefix first",
                                 choices=("fcfs", "lpm"), default="fcfs")
-    enable_prefix_cache: bool = _opt("reuse the K/V of cached prompt blocks (radix tree)", flag="--disable-radix-cache",
+    enable_prefix_cache: bool = _opt("do not reuse the K/V of cached prompt blocks (the radix prefix cache is on "
+                                     "unless this is given)", flag="--disable-radix-cache",
                                      default=True, action="store_false")
     # ---- request defaults (the operator's level of the defaults chain; None = not given) ----------------
     default_mode: str | None = _opt("decoding mode of requests that name none (default Q)", choices=MODES)

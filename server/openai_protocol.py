@@ -3,6 +3,7 @@ no-op value (echo, suffix, best_of, ...) are rejected by name when set to anythi
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Literal
 
@@ -13,6 +14,47 @@ from redraft.protocol.sampling_params import MAX_STOP_LEN, MAX_STOP_STRINGS, MAX
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+
+log = logging.getLogger("redraft.http")
+
+# OpenAI fields that mean nothing for this server: accepted and ignored (docs/openai.md), each said once in the log
+IGNORED_FIELDS = {
+    "service_tier": "one tier here",
+    "reasoning_effort": "LLaDA2 does not reason in a separate channel",
+    "prompt_cache_key": "the radix cache matches prompts by their tokens",
+    "safety_identifier": "nothing is sent on to a moderation service",
+    "verbosity": "no model here reads it",
+}
+_warned: set[str] = set()
+
+
+def drop_ignored_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` without the fields of IGNORED_FIELDS; `store` must be false (nothing is kept here)."""
+    if data.get("store") is True:
+        raise UnsupportedValue("store", "store=true is not supported: this server keeps no responses")
+    out = {k: v for k, v in data.items() if k not in IGNORED_FIELDS and k != "store"}
+    for name in IGNORED_FIELDS.keys() & data.keys():
+        if name not in _warned:
+            _warned.add(name)
+            log.warning("the request field %r is accepted and ignored: %s (said once)", name, IGNORED_FIELDS[name])
+    return out
+
+
+def legacy_functions(data: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's deprecated `functions` / `function_call` as `tools` / `tool_choice`."""
+    if "functions" not in data and "function_call" not in data:
+        return data
+    if "tools" in data or "tool_choice" in data:
+        raise UnsupportedValue("functions", "send either functions/function_call or tools/tool_choice, not both")
+    out = {k: v for k, v in data.items() if k not in ("functions", "function_call")}
+    if isinstance(data.get("functions"), list):
+        out["tools"] = [{"type": "function", "function": f} for f in data["functions"]]
+    call = data.get("function_call")
+    if isinstance(call, dict):
+        out["tool_choice"] = {"type": "function", "function": call}
+    elif call is not None:
+        out["tool_choice"] = call
+    return out
 
 
 class UnsupportedValue(ValueError):
@@ -67,7 +109,16 @@ def merge_extra_body(data: Any) -> Any:
 
 
 class Strict(BaseModel):
+    """Unknown fields are a 400 naming them; an explicit null means the field is absent (as the spec allows)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class TextPart(Strict):
@@ -92,6 +143,16 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this model reads text only "
+                                 "(send {'type': 'text', 'text': ...} parts or a string)")
+        return v
 
     @model_validator(mode="after")
     def _content_needed(self) -> "ChatMessage":
@@ -195,6 +256,9 @@ class _Common(Strict):
         data = merge_extra_body(reject_lone_surrogates(data))
         if not isinstance(data, dict):
             return data
+        data = drop_ignored_fields({k: v for k, v in data.items() if v is not None})
+        if "tools" in cls.model_fields:
+            data = legacy_functions(data)
         # dials spelt inside the maps a router keeps (server/dials.py); the template never sees them
         carriers = {k: data.get(k) for k in ("chat_template_kwargs", "metadata") if k in cls.model_fields}
         data = lift_dials(data, carriers)

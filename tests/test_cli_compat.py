@@ -78,7 +78,8 @@ def test_serve_as_sglang_and_vllm_users_write_it(ckpt: Path, tmp_path: Path) -> 
     srv.start()
     try:
         with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as http:
-            assert http.get("/get_server_info").json()["max_model_len"] == 512
+            info = http.get("/get_server_info").json()
+            assert info["max_model_len"] == 512 and info["default_mode"] == "Q", info
             too_long = http.post("/v1/completions", json={"prompt": [5] * 500, "max_tokens": 20})
             assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
             ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
