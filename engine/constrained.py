@@ -20,6 +20,8 @@ After the ordinary joint-threshold step (thresholds unchanged; its proposals at 
      model places at the frontier where the grammar cannot end yet says the answer is complete: the grammar
      is closed there by the shortest run of punctuation tokens that lets it end (`}` after `{"answer":19`),
      found breadth-first within a fixed number of matcher probes, and the stop token follows it.
+A grammar that allows nothing and cannot end (its matcher failed, or the constraint was unsatisfiable) raises
+GrammarDeadEnd: the request ends with an error, never with unconstrained text.
 Every decision reads only the request's own logits and its grammar: batch-invariant.
 Torch-free; the model runner hands in the window, the top-k candidates and an argmax over allowed tokens.
 """
