@@ -12,6 +12,7 @@ check, not before) talking length-prefixed JSON over their stdin/stdout; each ex
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import logging
@@ -25,6 +26,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from redraft.engine.grammar import GrammarError, _cache_key, check_bounds
@@ -147,6 +149,9 @@ class GrammarSandbox:
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # key -> None (passed) or why not
         self._closed = False
+        # acheck's threads, one per worker: checks waiting for a worker wait in its queue, not in a thread (the
+        # event loop's default executor, which tokenizes, never fills up with them)
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-check")
         self.started = self.crashed = 0  # workers started, and of those the ones that crashed or timed out
         _LIVE.add(self)
 
@@ -155,17 +160,17 @@ class GrammarSandbox:
         """From a redraft Tokenizer (engine/tokenizer.py)."""
         return cls(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_id, **kwargs)
 
+    async def acheck(self, field: str, source: Any) -> None:
+        """`check` for an event loop: a remembered verdict at once, anything else on the sandbox's own threads."""
+        if not self._cached(field, source):
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.check, field, source)
+
     def check(self, field: str, source: Any) -> None:
         """GrammarError (naming `field`) unless the constraint passes the bounds and a worker's Grammars.check."""
+        if self._cached(field, source):
+            return
         check_bounds(field, source)  # cheap, in Python: common attacks never reach native code
         key = _cache_key(field, source)
-        with self._lock:
-            if key in self._verdicts:
-                self._verdicts.move_to_end(key)
-                error = self._verdicts[key]
-                if error is not None:
-                    raise GrammarError(error, field)
-                return
         error = self._run(field, source)
         with self._lock:
             self._verdicts[key] = error
@@ -173,6 +178,18 @@ class GrammarSandbox:
                 self._verdicts.popitem(last=False)
         if error is not None:
             raise GrammarError(error, field)
+
+    def _cached(self, field: str, source: Any) -> bool:
+        """True when the constraint passed before; GrammarError when it was refused before; False: unknown."""
+        key = _cache_key(field, source)
+        with self._lock:
+            if key not in self._verdicts:
+                return False
+            self._verdicts.move_to_end(key)
+            error = self._verdicts[key]
+        if error is not None:
+            raise GrammarError(error, field)
+        return True
 
     def _run(self, field: str, source: Any, bounds: bool = True) -> str | None:
         """One job on a worker: None when it passed, else the message of the GrammarError to raise. `bounds`:
@@ -220,6 +237,7 @@ class GrammarSandbox:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+        self._executor.shutdown(wait=False, cancel_futures=True)
         for worker in idle:
             worker.kill()
 
@@ -254,7 +272,10 @@ def _exit_with_parent() -> None:
 def _worker_main() -> None:
     import resource
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C to the group: the parent decides when this ends
+    # a Ctrl-C or SIGTERM to the whole process group: the parent decides when a worker ends (and a check in
+    # flight is not cut short into a false "crashed" verdict)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent()
     # frames go out on a private copy of stdout; anything printed goes to stderr (the server's log)
     out = os.fdopen(os.dup(1), "wb")

@@ -20,10 +20,23 @@ log = logging.getLogger("redraft.http")
 JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
-def constraint_of(state: ServerState, body: Any, rid: str = "-") -> dict[str, str]:
+async def constraint_of(state: ServerState, body: Any, rid: str = "-") -> dict[str, str]:
     """{SamplingParams field: source} for the body's constraint (empty when it has none); APIError when the
-    body asks for two, or for one that does not compile (logged with the request id `rid`). Blocking: call it
-    off the event loop."""
+    body asks for two, or for one that does not compile (logged with the request id `rid`). Off the event loop:
+    building it on a thread, the check in the sandbox."""
+    found = await asyncio.to_thread(_constraint_source, state, body, rid)
+    if not found:
+        return {}
+    request_field, field, source = found
+    try:
+        await state.grammar_sandbox.acheck(field, source)
+    except GrammarError as exc:
+        raise _refused(exc, field, request_field, rid) from exc
+    return {field: source}
+
+
+def _constraint_source(state: ServerState, body: Any, rid: str) -> tuple[str, str, str] | None:
+    """(request field, SamplingParams field, source) of the body's constraint, not yet checked."""
     found: list[tuple[str, str, Any]] = []  # (request field, SamplingParams field, source)
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type == "json_object":
@@ -40,18 +53,17 @@ def constraint_of(state: ServerState, body: Any, rid: str = "-") -> dict[str, st
     if tools and (choice == "required" or (choice is not None and not isinstance(choice, str))):
         found.append(("tool_choice", "lark", _tool_grammar(state, body, rid)))
     if not found:
-        return {}
+        return None
     if len(found) > 1:
         names = ", ".join(f[0] for f in found)
         raise APIError(400, f"a request may carry one output constraint; this one has {names}", param=found[1][0])
     request_field, field, source = found[0]
-    try:
-        if field == "json_schema":
+    if field == "json_schema":
+        try:
             source = json.dumps(parse_schema(source, request_field))
-        state.grammar_sandbox.check(field, source)
-    except GrammarError as exc:
-        raise _refused(exc, field, request_field, rid) from exc
-    return {field: source}
+        except GrammarError as exc:
+            raise _refused(exc, field, request_field, rid) from exc
+    return request_field, field, source
 
 
 async def check_native_constraint(state: ServerState, params: SamplingParams, rid: str) -> None:
@@ -61,7 +73,7 @@ async def check_native_constraint(state: ServerState, params: SamplingParams, ri
         return
     field, source = params.grammar
     try:
-        await asyncio.to_thread(state.grammar_sandbox.check, field, source)
+        await state.grammar_sandbox.acheck(field, source)
     except GrammarError as exc:
         raise _refused(exc, field, f"sampling_params.{field}", rid) from exc
 
