@@ -413,6 +413,9 @@ def parse_schema(source: Any, field: str = "json_schema") -> dict[str, Any]:
             source = json.loads(source)
         except ValueError as exc:
             raise GrammarError(f"{field} is not valid JSON: {exc}", field) from exc
+        except RecursionError as exc:  # deeper than Python's parser goes: far past MAX_SCHEMA_DEPTH anyway
+            raise GrammarError(f"invalid {field}: the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep",
+                               field) from exc
     if isinstance(source, bool):  # `true` is the schema every value satisfies
         source = {} if source else {"not": {}}
     if not isinstance(source, dict):

@@ -213,6 +213,17 @@ def test_min_tokens_a_regex_cannot_reach_is_refused(server: RedraftServer) -> No
     assert "request min-tokens-60-0: regex refused: min_tokens (60)" in server.log_tail(10**7)
 
 
+def test_a_schema_nested_past_pythons_parser_is_a_400(server: RedraftServer) -> None:
+    """/generate takes json_schema as JSON text: 5,000 levels inside a shallow body (a RecursionError, a 500,
+    if it reached the parser unguarded)."""
+    deep = '{"items":' * 5000 + "{}" + "}" * 5000
+    r = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4,
+                                                                                      "json_schema": deep}},
+                   timeout=60, trust_env=False)
+    err = assert_error_shape(r, 400)
+    assert err["param"] == "sampling_params.json_schema" and "nested more than" in err["message"], err
+
+
 # ---- the sandbox itself --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
