@@ -156,7 +156,7 @@ class Grammars:
     def compile(self, field: str, source: Any) -> str:
         """The llguidance grammar for one constraint field; GrammarError (naming `field`) when it is invalid.
         Valid ones are remembered (LRU): the HTTP process validates every constrained request with this."""
-        key = _cache_key(field, source)
+        key = cache_key(field, source)
         grammar = self._validated.get(key)
         if grammar is not None:
             self._validated.move_to_end(key)
@@ -201,7 +201,7 @@ class Grammars:
 
     def matcher(self, field: str, source: Any) -> LLGuidanceMatcher:
         """A fresh matcher for one request's constraint (compiled once per distinct constraint, LRU)."""
-        key = _cache_key(field, source)
+        key = cache_key(field, source)
         pristine = self._compiled.get(key)
         if pristine is not None:
             self._compiled.move_to_end(key)
@@ -226,7 +226,7 @@ def _raise_matcher_error(m: llguidance.LLMatcher, field: str) -> None:
         raise GrammarError(f"invalid {field}: the grammar could not be compiled: {first_line(m.get_error())}", field)
 
 
-def _cache_key(field: str, source: Any) -> tuple[str, str]:
+def cache_key(field: str, source: Any) -> tuple[str, str]:
     return field, source if isinstance(source, str) else json.dumps(source, sort_keys=True)
 
 

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from redraft.engine.grammar import GrammarError, _cache_key, check_bounds
+from redraft.engine.grammar import GrammarError, cache_key, check_bounds
 
 log = logging.getLogger("redraft.grammar")
 
@@ -170,7 +170,7 @@ class GrammarSandbox:
         if self._cached(field, source):
             return
         check_bounds(field, source)  # cheap, in Python: common attacks never reach native code
-        key = _cache_key(field, source)
+        key = cache_key(field, source)
         error = self._run(field, source)
         with self._lock:
             self._verdicts[key] = error
@@ -181,7 +181,7 @@ class GrammarSandbox:
 
     def _cached(self, field: str, source: Any) -> bool:
         """True when the constraint passed before; GrammarError when it was refused before; False: unknown."""
-        key = _cache_key(field, source)
+        key = cache_key(field, source)
         with self._lock:
             if key not in self._verdicts:
                 return False

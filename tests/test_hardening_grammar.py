@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import RedraftServer, assert_error_shape, still_running, proc_stat
+from live_server import RedraftServer, assert_error_shape, proc_stat, still_running
 from redraft.engine.constrained import Constraint, GrammarDeadEnd
 from redraft.engine.defaults import BUNDLED_MODEL_DIR
 from redraft.engine.grammar import (MAX_OBJECT_PROPERTIES, MAX_REF_DEPTH, MAX_SCHEMA_DEPTH, GrammarError,
@@ -343,7 +343,7 @@ def test_bounds_refuse_before_native_code(field, source, message) -> None:
 @pytest.mark.parametrize("field, source", [
     ("json_schema", ref_chain(MAX_REF_DEPTH - 1)),
     ("json_schema", optional_props(MAX_OBJECT_PROPERTIES)),
-    ("json_schema", json.loads('{"type":"array","items":' * (MAX_SCHEMA_DEPTH - 1) + "{}" + "}" * (MAX_SCHEMA_DEPTH - 1))),
+    ("json_schema", json.loads('{"items":' * (MAX_SCHEMA_DEPTH - 1) + "{}" + "}" * (MAX_SCHEMA_DEPTH - 1))),
     ("json_schema", MUTUAL),  # recursion is fine for the bounds (llguidance refuses this one itself)
     ("lark", "start: " + " | ".join(f'"t{i}"' for i in range(999)) + "\n"),
     ("lark", 'start: "a|b" /x|y/ ("|")\n'),  # bars inside strings and regexes are no alternatives
