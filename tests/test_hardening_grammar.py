@@ -379,3 +379,21 @@ def test_the_check_reports_what_the_engine_loop_used_to_raise(grammars) -> None:
         with pytest.raises(GrammarError, match=reason):
             grammars.check(field, source if isinstance(source, str) else json.dumps(source), bounds=False)
     grammars.check("json_schema", json.dumps(optional_props(200)))
+
+
+def test_a_matcher_limit_met_mid_output_raises_a_dead_end(grammars, tok) -> None:
+    """499 optional properties one level down (past the bounds, which would refuse it up front): the start is
+    fine, the object's properties break llguidance's row limit only once the model opens it. The sweep raises
+    GrammarDeadEnd there; it never goes on unconstrained."""
+    inner = optional_props(499)
+    schema = json.dumps({"type": "object", "properties": {"a": inner, "b": {"type": "integer"}}})
+    grammars.check("json_schema", schema, bounds=False)  # the start state is fine
+    c = Constraint(grammars.matcher("json_schema", schema), 3, frozenset({tok.eos_token_id}), tok.eos_token_id,
+                   VOCAB, grammars.closers)
+    mask = tok.mask_token_id
+    tokens = [5, 6, 7] + [mask] * 32
+    c.begin_block(tokens, 0, 35)
+    drafted = tok.encode('{"a":{')
+    after = tokens[3:4] + drafted[1:] + [mask] * (32 - len(drafted))
+    with pytest.raises(GrammarDeadEnd, match="Current row has"):
+        c.sweep(3, tokens[3:], after, mask, lambda i: [], 0.9, lambda i, m: 0)
