@@ -162,8 +162,11 @@ class GrammarSandbox:
 
     async def acheck(self, field: str, source: Any) -> None:
         """`check` for an event loop: a remembered verdict at once, anything else on the sandbox's own threads."""
-        if not self._cached(field, source):
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.check, field, source)
+        if self._cached(field, source):
+            return
+        if self._closed:  # shutting down: no new worker, no new thread
+            raise GrammarError("the grammar checker is shut down", field)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.check, field, source)
 
     def check(self, field: str, source: Any) -> None:
         """GrammarError (naming `field`) unless the constraint passes the bounds and a worker's Grammars.check."""
