@@ -20,6 +20,8 @@ After the ordinary joint-threshold step (thresholds unchanged; its proposals at 
      model places at the frontier where the grammar cannot end yet says the answer is complete: the grammar
      is closed there by the shortest run of punctuation tokens that lets it end (`}` after `{"answer":19`),
      found breadth-first within a fixed number of matcher probes, and the stop token follows it.
+A grammar that allows nothing and cannot end (its matcher failed, or the constraint was unsatisfiable) raises
+GrammarDeadEnd: the request ends with an error, never with unconstrained text.
 Every decision reads only the request's own logits and its grammar: batch-invariant.
 Torch-free; the model runner hands in the window, the top-k candidates and an argmax over allowed tokens.
 """
@@ -30,7 +32,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from redraft.engine.grammar import GrammarMatcher
+from redraft.engine.grammar import GrammarDeadEnd, GrammarMatcher
+
+__all__ = ["Constraint", "GrammarDeadEnd", "GrammarStats"]
 
 
 MAX_CLOSING = 4  # tokens in a closing run at most
@@ -136,18 +140,29 @@ class Constraint:
 
     def allowed(self) -> bytes | None:
         """The bitmask of tokens allowed at the frontier: stop tokens exactly where the grammar may end
-        (None: nothing is allowed; the grammar has ended and there is no stop token to place)."""
+        (None: nothing is allowed; the grammar has ended and there is no stop token to place). GrammarDeadEnd
+        when nothing is allowed and the grammar cannot end: no output can satisfy it from here."""
+        accepting = self.matcher.is_accepting()
         if self.matcher.is_stopped():
+            if not accepting:
+                self._dead_end()
             if not self.stop_ids:
                 return None
             mask = bytearray(self.mask_bytes)
         else:
             mask = bytearray(self.matcher.allowed_bitmask())
-        accepting = self.matcher.is_accepting()
         for t in self.stop_ids:
             if t // 8 < len(mask):
                 mask[t // 8] = mask[t // 8] | (1 << t % 8) if accepting else mask[t // 8] & ~(1 << t % 8) & 0xFF
-        return bytes(mask) if any(mask) else None
+        if any(mask):
+            return bytes(mask)
+        if not accepting:
+            self._dead_end()
+        return None
+
+    def _dead_end(self) -> None:
+        raise GrammarDeadEnd(f"the output constraint reached a dead end after {len(self.consumed)} tokens: no "
+                             "continuation satisfies it (the request ends with an error, not unconstrained text)")
 
     def _closing(self, room: int) -> list[int] | None:
         """The shortest run of closer tokens (at most MAX_CLOSING, within `room`) after which the grammar may
@@ -248,6 +263,8 @@ class Constraint:
         placed = False
         while i < n and not self.done:
             if self.matcher.is_stopped():  # only the end may follow: a stop token, or free text if none is set
+                if not self.matcher.is_accepting():  # stopped short of a sentence: the matcher failed
+                    self._dead_end()
                 if self.stop_ids and out[i] not in self.stop_ids:
                     self.stats.forced += 1
                     out[i] = self.eos_id if self.eos_id in self.stop_ids else min(self.stop_ids)

@@ -26,7 +26,8 @@ import torch
 from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
 from redraft.engine.defaults import resolve_model_path
-from redraft.engine.grammar import GrammarError, Grammars
+from redraft.engine.grammar import GrammarError, Grammars, max_output_tokens
+from redraft.engine.grammar_sandbox import GrammarSandbox
 from redraft.engine.loader import load_model, resolve_dtype, resolve_quantization
 from redraft.engine.sharding import RankLayout, check_layout
 from redraft.engine.model_runner import ModelRunner
@@ -142,6 +143,7 @@ class EngineCore:
 
             log_rank_memory(0, self.model, self.runner.k_cache)
         self._grammars: Grammars | None = None  # structured output's compiler, built on first use
+        self._grammar_sandbox: GrammarSandbox | None = None  # checks a constraint before _grammars compiles it
         self._requests: dict[str, Request] = {}  # every request not yet reported finished
         self._timing: dict[str, _Timing] = {}
         self.num_forwards = 0
@@ -217,10 +219,22 @@ class EngineCore:
             self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
             log.info("structured output: grammar compiler ready (%d closer tokens) in %.2fs",
                      len(self._grammars.closers), time.perf_counter() - t0)
+        if self._grammar_sandbox is None:  # its worker starts on the first check
+            self._grammar_sandbox = GrammarSandbox.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                                 workers=1)
         field, source = req.params.grammar
         try:
+            # native code may crash or stall on a hostile grammar: only one a worker has compiled and played
+            # (cached: the HTTP process's check passed it already, a repeat costs nothing) is built here
+            self._grammar_sandbox.check(field, source)
+            longest = max_output_tokens(field, source)
+            if longest is not None and req.params.min_tokens > longest:
+                raise GrammarError(f"min_tokens ({req.params.min_tokens}) cannot be met: no output of this {field} "
+                                   f"is longer than {longest} tokens, and the grammar ends the output first",
+                                   "min_tokens")
             matcher = self._grammars.matcher(field, source)
         except GrammarError as exc:
+            log.warning("request %s: %s refused: %s", req.rid, field, exc)
             raise RequestRejected(str(exc), param=exc.param) from exc
         return Constraint(matcher, req.prompt_len, frozenset(req.stop_ids()), self.tokenizer.eos_token_id,
                           self.model_config.vocab_size, self._grammars.closers)

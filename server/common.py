@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from redraft.engine.grammar import Grammars
+from redraft.engine.grammar_sandbox import GrammarSandbox
 from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.messages import Accepted, RequestOutput
@@ -58,17 +58,21 @@ class ServerState:
         self.max_choices = max_choices  # engine requests one HTTP request may start
         self.draining = False  # shutting down: no new requests; running ones get --shutdown-timeout to finish
         self._max_token_bytes: int | None = None
-        self._grammars: Grammars | None = None
+        self._grammar_sandbox: GrammarSandbox | None = None
         self.metrics = ServerMetrics(model_name, domains)  # domains: the `domain` label's values (else "other")
         self.metrics.attach(client)
 
     @property
-    def grammars(self) -> Grammars:
-        """Structured output's compiler, to refuse a bad constraint with a 400 (the engine builds its own to
-        decode); built on first use, it reads the whole vocabulary."""
-        if self._grammars is None:
-            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.vocab_size)
-        return self._grammars
+    def grammar_sandbox(self) -> GrammarSandbox:
+        """Structured output's checker, to refuse a bad constraint with a 400 (the engine decodes with its own
+        compiler); its worker processes start on the first constrained request."""
+        if self._grammar_sandbox is None:
+            self._grammar_sandbox = GrammarSandbox.for_tokenizer(self.tokenizer, self.vocab_size)
+        return self._grammar_sandbox
+
+    def close_grammar_sandbox(self) -> None:
+        if self._grammar_sandbox is not None:
+            self._grammar_sandbox.close()
 
     @property
     def max_prompt_chars(self) -> int:

@@ -34,6 +34,7 @@ from redraft.server.likelihood_api import prompt_logprobs
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.middleware import install_middleware
 from redraft.server.openai_protocol import reject_lone_surrogates
+from redraft.server.structured import check_native_constraint
 
 log = logging.getLogger("redraft.http")
 SMG_NO_MODEL = "unknown"  # the `model` smg puts on a /generate that named none
@@ -91,6 +92,7 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         log.info("shutting down the engine process")
         await state.client.close()
+        state.close_grammar_sandbox()
 
     app = FastAPI(title="redraft", version="0.1.0", lifespan=lifespan)
     app.openapi = lambda: _openapi_with_400(app)
@@ -199,6 +201,7 @@ def create_app(state: ServerState) -> FastAPI:
             params = SamplingParams.from_dict(raw_params)
         except SamplingParamsError as exc:
             raise APIError(400, str(exc), param=f"sampling_params.{exc.param}" if exc.param else None) from exc
+        await check_native_constraint(state, params, body.rid or request.state.request_id)
         input_lps = None
         if body.return_logprob and body.logprob_start_len >= 0:  # the prompt's staircase values
             if body.stream:

@@ -222,7 +222,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         except ChatTemplateError as exc:
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
         top = body.top_logprobs or 0
-        constraint = await asyncio.to_thread(constraint_of, state, body)  # compiling: off the loop
+        constraint = await constraint_of(state, body, rid)  # checked off the loop
         params = [sampling_params(body, logprobs=body.logprobs, top_logprobs=top, choice=i, constraint=constraint)
                   for i in range(body.n)]
         chat = ChatFormatter(state, f"chatcmpl-{rid}", body, len(ids), tools is not None)
@@ -237,7 +237,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         check_model(state, body.model)
         validate(body)
         rid = request.state.request_id
-        constraint = await asyncio.to_thread(constraint_of, state, body)  # compiling: off the loop
+        constraint = await constraint_of(state, body, rid)  # checked off the loop
         prompts = await _completion_prompts(state, body.prompt)
         top = body.logprobs or 0
         all_prompts = [ids for ids in prompts for _ in range(body.n)]

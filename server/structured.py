@@ -1,21 +1,42 @@
 """Structured output on the OpenAI routes: `response_format`, the `regex` / `ebnf` / `lark` extras and a forced
 `tool_choice` become one constraint field of SamplingParams (the engine decodes it: engine/constrained.py).
-A constraint that does not compile is a 400 naming the request field that holds it, before any work."""
+A constraint that does not compile is a 400 naming the request field that holds it, before any work. Every
+constraint, on every route, is checked by the grammar sandbox (engine/grammar_sandbox.py: worker processes, as
+native code may crash on a hostile grammar), never compiled in this process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import Any
 
 from redraft.engine.grammar import GrammarError, parse_schema, tool_call_lark
+from redraft.protocol.sampling_params import SamplingParams
 from redraft.server.common import APIError, ServerState
+
+log = logging.getLogger("redraft.http")
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
-def constraint_of(state: ServerState, body: Any) -> dict[str, str]:
+async def constraint_of(state: ServerState, body: Any, rid: str = "-") -> dict[str, str]:
     """{SamplingParams field: source} for the body's constraint (empty when it has none); APIError when the
-    body asks for two, or for one that does not compile."""
+    body asks for two, or for one that does not compile (logged with the request id `rid`). Off the event loop:
+    building it on a thread, the check in the sandbox."""
+    found = await asyncio.to_thread(_constraint_source, state, body, rid)
+    if not found:
+        return {}
+    request_field, field, source = found
+    try:
+        await state.grammar_sandbox.acheck(field, source)
+    except GrammarError as exc:
+        raise _refused(exc, field, request_field, rid) from exc
+    return {field: source}
+
+
+def _constraint_source(state: ServerState, body: Any, rid: str) -> tuple[str, str, str] | None:
+    """(request field, SamplingParams field, source) of the body's constraint, not yet checked."""
     found: list[tuple[str, str, Any]] = []  # (request field, SamplingParams field, source)
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type == "json_object":
@@ -30,24 +51,41 @@ def constraint_of(state: ServerState, body: Any) -> dict[str, str]:
     tools = getattr(body, "tools", None)
     choice = getattr(body, "tool_choice", None)
     if tools and (choice == "required" or (choice is not None and not isinstance(choice, str))):
-        found.append(("tool_choice", "lark", _tool_grammar(state, body)))
+        found.append(("tool_choice", "lark", _tool_grammar(state, body, rid)))
     if not found:
-        return {}
+        return None
     if len(found) > 1:
         names = ", ".join(f[0] for f in found)
         raise APIError(400, f"a request may carry one output constraint; this one has {names}", param=found[1][0])
     request_field, field, source = found[0]
-    try:
-        if field == "json_schema":
+    if field == "json_schema":
+        try:
             source = json.dumps(parse_schema(source, request_field))
-        state.grammars.compile(field, source)
+        except GrammarError as exc:
+            raise _refused(exc, field, request_field, rid) from exc
+    return request_field, field, source
+
+
+async def check_native_constraint(state: ServerState, params: SamplingParams, rid: str) -> None:
+    """/generate: the sampling params' constraint through the sandbox, off the event loop; APIError naming
+    `sampling_params.<field>` when it does not pass."""
+    if params.grammar is None:
+        return
+    field, source = params.grammar
+    try:
+        await state.grammar_sandbox.acheck(field, source)
     except GrammarError as exc:
-        raise APIError(400, str(exc).replace(f"invalid {field}", f"invalid {request_field}", 1),
-                       param=request_field) from exc
-    return {field: source}
+        raise _refused(exc, field, f"sampling_params.{field}", rid) from exc
 
 
-def _tool_grammar(state: ServerState, body: Any) -> str:
+def _refused(exc: GrammarError, field: str, request_field: str, rid: str) -> APIError:
+    """The 400 for a constraint that did not pass, logged with the request id and the reason."""
+    message = str(exc).replace(f"invalid {field}", f"invalid {request_field}", 1)
+    log.warning("request %s: %s refused: %s", rid, request_field, message)
+    return APIError(400, message, param=request_field)
+
+
+def _tool_grammar(state: ServerState, body: Any, rid: str) -> str:
     tok = state.tokenizer
     start, end = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
     if start is None or end is None:
@@ -58,4 +96,6 @@ def _tool_grammar(state: ServerState, body: Any) -> str:
     try:
         return tool_call_lark(tools, start, end, name=name, parallel=body.parallel_tool_calls is not False)
     except GrammarError as exc:
-        raise APIError(400, str(exc), param="tool_choice") from exc
+        param = exc.param if exc.param.startswith("tools[") else "tool_choice"
+        log.warning("request %s: %s refused: %s", rid, param, exc)
+        raise APIError(400, str(exc), param=param) from exc
