@@ -163,8 +163,8 @@ class ChoiceStream:
     def __init__(self, state: "ServerState", rid: str, ids: list[int], params: SamplingParams, index: int):
         self.state, self.rid, self.index, self.params = state, rid, index, params
         self._engine = state.client.generate(rid, ids, params)
-        self.out = OutputStream(client_rid(rid), state.tokenizer, params.stop, params.no_stop_trim,
-                                params.skip_special_tokens)
+        shown = client_rid(rid) if state.api_keys else rid  # without keys no id is scoped
+        self.out = OutputStream(shown, state.tokenizer, params.stop, params.no_stop_trim, params.skip_special_tokens)
         self.sent_tokens = 0  # output tokens whose logprobs a stream has sent
         self.accepted: Accepted | None = None
 

@@ -235,7 +235,8 @@ def create_app(state: ServerState) -> FastAPI:
         """The admin ends a request by the id its client sees (`<X-Request-Id>-<choice>`, a /generate rid): every
         in-flight request of that id, under any API key; or by the engine's scoped id (`<scope>/<id>`, in the
         engine's log). Answers as before whether or not one was running (aborting is idempotent)."""
-        targets = {r for r in state.client.in_flight_rids if r == body.rid or client_rid(r) == body.rid}
+        targets = {r for r in state.client.in_flight_rids
+                   if r == body.rid or (state.api_keys and client_rid(r) == body.rid)}
         for rid in targets or {body.rid}:
             await state.client.abort(rid)
         log.info("admin abort of %r: %d request(s) in flight", body.rid, len(targets))
