@@ -311,7 +311,7 @@ def _json_or_raw(args: str | dict) -> Any:
         return args
     try:
         return json.loads(args)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested beyond the parser: passed on as text
         return args
 
 

@@ -259,6 +259,12 @@ def test_deep_nesting_is_a_400_naming_the_field(srv, http) -> None:
     r = http.post("/v1/completions", content=b"[" * 200_000 + b"]" * 200_000,
                   headers={"content-type": "application/json"})
     assert_error_shape(r, 400)
+    # deep JSON inside a string (tool call arguments are parsed for the template): a 400, never a 500
+    for args in ("[" * 500 + "]" * 500, "[" * 100_000 + "]" * 100_000):
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]}]
+        err = assert_error_shape(http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4}), 400)
+        assert err["param"] == "messages", err
     # a schema of ordinary depth is served
     tool["function"]["parameters"] = _nested(8)  # 25 levels in all
     r = http.post("/v1/chat/completions", json={"messages": _user("hi"), "tools": [tool], "max_tokens": 4})
