@@ -33,7 +33,12 @@ class OutputStream:
         if out.new_logprobs is not None and new:
             self.logprobs = (self.logprobs or []) + out.new_logprobs[: len(new)]
             self.top_logprobs = (self.top_logprobs or []) + (out.new_top_logprobs or [[]] * len(new))[: len(new)]
-        delta = self.detok.feed(new, out.finished)
+        shown = new
+        matched = (out.finish_reason or {}).get("matched") if out.finished else None
+        if (isinstance(matched, int) and not isinstance(matched, bool) and not self.detok.keep_stop and new
+                and new[-1] == matched):
+            shown = new[:-1]  # as SGLang: the EOS / stop token that ended it stays in ids, not in the text
+        delta = self.detok.feed(shown, out.finished)
         self.meta.update(out.meta)
         if out.finished:
             self.finished = True

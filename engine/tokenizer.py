@@ -357,14 +357,20 @@ class Tokenizer:
 _STRUCTURAL_KEYS = frozenset({"role", "type"})  # compared by templates, never shown: left as they are
 
 
-def _mark_strings(value: Any, start: str, end: str) -> Any:
-    """A copy of `value` (messages or tools) with every string wrapped in the markers, but for structural keys."""
+MAX_MARK_DEPTH = 100  # messages and tools nested deeper are refused (the HTTP edge allows 64 levels)
+
+
+def _mark_strings(value: Any, start: str, end: str, depth: int = 0) -> Any:
+    """A copy of `value` (messages or tools) with every string wrapped in the markers, but for structural keys.
+    Recursive, so bounded: a value nested deeper than MAX_MARK_DEPTH is a ChatTemplateError, not a RecursionError."""
     if isinstance(value, str):
         return start + value + end
+    if depth > MAX_MARK_DEPTH and isinstance(value, (Mapping, list, tuple)):
+        raise ChatTemplateError(f"the messages or tools are nested more than {MAX_MARK_DEPTH} levels deep")
     if isinstance(value, Mapping):
-        return {k: (v if k in _STRUCTURAL_KEYS else _mark_strings(v, start, end)) for k, v in value.items()}
+        return {k: (v if k in _STRUCTURAL_KEYS else _mark_strings(v, start, end, depth + 1)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_mark_strings(v, start, end) for v in value]
+        return [_mark_strings(v, start, end, depth + 1) for v in value]
     return value
 
 

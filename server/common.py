@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import logging
+import re
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -20,6 +24,8 @@ from redraft.protocol.messages import Accepted, RequestOutput
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.server.engine_client import EngineClient, EngineDead, EngineRejected, ServerDraining
 from redraft.server.metrics import ServerMetrics
+
+log = logging.getLogger("redraft.http")
 
 
 class APIError(Exception):
@@ -135,15 +141,34 @@ def sse_error(exc: Exception) -> str:
     return sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
 
 
+@dataclass(frozen=True)
+class Update:
+    """What one engine message changed in a choice, fixed when it was applied: the formatter reads this, never
+    the live OutputStream (which a later message may already have finished), so a choice's deltas and its finish
+    come from one snapshot and nothing follows the finish."""
+
+    text: str  # the text this message made certain
+    ids_end: int  # the choice's output ids (and logprobs) up to here
+    finished: bool
+    finish_reason: dict[str, Any] | None  # OutputStream.finish_reason at this point (set once finished)
+
+    @property
+    def aborted(self) -> bool:
+        """Ended by the server (an admin's /abort_request), not by the model or the length."""
+        return self.finished and (self.finish_reason or {}).get("type") == "abort"
+
+
 class ChoiceStream:
     """One engine request behind one output (an OpenAI choice, a /generate prompt): accepted first, then one
     update per committed block, assembled by an OutputStream, which owns the stop strings: when one appears
-    the engine request is ended there at once."""
+    the engine request is ended there at once. `rid` is the engine's id (scoped by the API key, see
+    `engine_rid`); the OutputStream, and so every response, carries the client's own id."""
 
     def __init__(self, state: "ServerState", rid: str, ids: list[int], params: SamplingParams, index: int):
         self.state, self.rid, self.index, self.params = state, rid, index, params
         self._engine = state.client.generate(rid, ids, params)
-        self.out = OutputStream(rid, state.tokenizer, params.stop, params.no_stop_trim, params.skip_special_tokens)
+        shown = client_rid(rid) if state.api_keys else rid  # without keys no id is scoped
+        self.out = OutputStream(shown, state.tokenizer, params.stop, params.no_stop_trim, params.skip_special_tokens)
         self.sent_tokens = 0  # output tokens whose logprobs a stream has sent
         self.accepted: Accepted | None = None
 
@@ -152,16 +177,17 @@ class ChoiceStream:
         assert isinstance(first, Accepted)
         self.accepted = first
 
-    async def updates(self) -> AsyncIterator[str]:
-        """The text each committed block made certain ("" when none), until the request finishes."""
+    async def updates(self) -> AsyncIterator[Update]:
+        """One Update per engine message (its text "" when none), until the request finishes."""
         async for msg in self._engine:
             if not isinstance(msg, RequestOutput):
                 continue
             delta = self.out.add(msg)
             stop = self.out.stop_abort()
             if stop is not None:
-                await self.state.client.abort(stop.rid, stop.finish, stop.keep_tokens)
-            yield delta
+                await self.state.client.abort(self.rid, stop.finish, stop.keep_tokens)
+            yield Update(delta, len(self.out.ids), self.out.finished,
+                         self.out.finish_reason if self.out.finished else None)
 
     async def run(self) -> OutputStream:
         async for _ in self.updates():
@@ -181,12 +207,16 @@ async def start_streams(state: "ServerState", rids: list[str], prompts: list[lis
         raise APIError(400, f"this request asks for {len(prompts)} outputs; the server allows at most "
                             f"{state.max_choices} per request (--max-choices-per-request)", param=count_param)
     streams = [ChoiceStream(state, rid, ids, p, i) for i, (rid, ids, p) in enumerate(zip(rids, prompts, params))]
+    current = None
     try:
-        for s in streams:
-            await s.accept()
+        for current in streams:
+            await current.accept()
     except BaseException as exc:
         for s in streams:
             await s.close()
+        if isinstance(exc, EngineRejected) and exc.code == "duplicate_request_id" and current is not None:
+            # the engine client names the scoped id: name the client's own instead
+            exc = EngineRejected(exc.status, f"request id {current.out.rid!r} is already in flight", exc.code)
         if isinstance(exc, (EngineDead, EngineRejected)):
             raise engine_error(exc, param_names) from exc
         raise
@@ -204,7 +234,7 @@ async def run_all(streams: list[ChoiceStream]) -> list[OutputStream]:
             await s.close()
 
 
-async def merge_updates(streams: list[ChoiceStream]) -> AsyncIterator[tuple[ChoiceStream, str | Exception]]:
+async def merge_updates(streams: list[ChoiceStream]) -> AsyncIterator[tuple[ChoiceStream, Update | Exception]]:
     """Interleave the updates of several streams as they come (an engine failure arrives as an Exception)."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -252,3 +282,43 @@ async def run_until_disconnect(request: Request, coro) -> Any:
 
 def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# ---- request ids, scoped per API key ---------------------------------------------------------------------
+# A client names its requests (X-Request-Id, /generate's rid); the engine needs ids unique across all clients.
+# With API keys, the engine's id is `<scope>/<client id>`, the scope a short hash of the key: two keys never
+# collide, and a duplicate_request_id refusal can only name one's own request. Responses, the X-Request-Id
+# echo and meta_info carry the client's id; the admin's /abort_request takes the client's id (every key's
+# request of that id is ended) or the scoped one. Without API keys every client is one principal: no scope.
+_SCOPE_SEP = "/"
+
+
+def key_scope(api_key: str) -> str:
+    """The scope of one API key: 16 hex digits of its SHA-256 (never the key itself: ids reach the logs)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def engine_rid(request: Request, rid: str) -> str:
+    """The engine's id of the client's `rid` sent with this request (scoped by its API key, if any)."""
+    scope = request.scope.get("state", {}).get("rid_scope")
+    return f"{scope}{_SCOPE_SEP}{rid}" if scope else rid
+
+
+def client_rid(rid: str) -> str:
+    """The client's id of an engine id (`engine_rid` undone)."""
+    head, sep, tail = rid.partition(_SCOPE_SEP)
+    return tail if sep and re.fullmatch("[0-9a-f]{16}", head) else rid
+
+
+# ---- small checks shared by the routes ---------------------------------------------------------------------
+_TOKEN_ID = re.compile("[0-9]{1,10}")
+
+
+def check_logit_bias_keys(bias: Any, param: str) -> None:
+    """OpenAI's logit_bias keys are token ids written in ASCII digits ("7"), nothing else: int() would also read
+    " 7" or Arabic-Indic digits, so a typo could bias a token nobody named."""
+    if not isinstance(bias, dict):
+        return  # the shape is sampling_params' to refuse
+    for key in bias:
+        if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
+            raise APIError(400, f"logit_bias key {str(key)[:32]!r} is not a token id (ASCII digits only)", param=param)

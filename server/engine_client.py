@@ -364,3 +364,8 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._pending)
+
+    @property
+    def in_flight_rids(self) -> list[str]:
+        """The engine ids of the requests in flight (the admin's /abort_request finds a client's id among them)."""
+        return list(self._pending)

@@ -21,19 +21,21 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.engine.output_stream import OutputStream
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.dials import DIALS, DialError, lift_dials
-from redraft.server.common import (RETRY_AFTER, APIError, ChoiceStream, ServerState, check_model, engine_error,
-                                   error_response, run_all, run_until_disconnect, sse, sse_error, start_streams)
+from redraft.server.common import (RETRY_AFTER, APIError, ChoiceStream, ServerState, check_logit_bias_keys,
+                                   check_model, client_rid, engine_error, engine_rid, error_response, run_all,
+                                   run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.engine_client import EngineDead
 from redraft.server.likelihood_api import prompt_logprobs
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.middleware import install_middleware
-from redraft.server.openai_protocol import reject_lone_surrogates
+from redraft.server.openai_protocol import MAX_JSON_DEPTH, reject_lone_surrogates, too_deep
 from redraft.server.structured import check_native_constraint
 
 log = logging.getLogger("redraft.http")
@@ -81,6 +83,52 @@ class AbortBody(BaseModel):
         return reject_lone_surrogates(data)
 
 
+class NestingTooDeep(StarletteHTTPException):
+    """A body nested deeper than MAX_JSON_DEPTH. An HTTPException, because FastAPI's body parsing passes those
+    on (anything else becomes a bare 400); the app's HTTPException handler answers it in OpenAI's shape."""
+
+    code = "nesting_too_deep"
+
+    def __init__(self, path: list[str]):
+        shown = ".".join(path[:8]) + (".…" if len(path) > 8 else "")
+        super().__init__(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep (at {shown})")
+        self.param = ".".join(path[:8]) or None
+
+
+class DepthCheckedRequest(Request):
+    """A request whose JSON body is refused, before any validation or recursion sees it, when it is nested too
+    deep: one bounded, iterative scan at the edge (skipped when the body has too few brackets to be that deep)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            value = json.loads(body)
+            if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
+                path = too_deep(value) if len(body) < 2**20 else await asyncio.to_thread(too_deep, value)
+                if path is not None:
+                    raise NestingTooDeep(path)
+            self._json = value
+        return self._json
+
+
+class DepthCheckedRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(DepthCheckedRequest(request.scope, request.receive))
+
+        return route
+
+
+def _log_refusal(request: Request, status: int, message: str, param: str | None, code: Any) -> None:
+    """Every refusal in the log with the request id (the client's) and the reason."""
+    rid = request.scope.get("state", {}).get("request_id", "-")
+    level = logging.WARNING if status >= 500 else logging.INFO
+    log.log(level, "request %s %s %s refused: %d %s (param %s): %s", rid, request.method, request.url.path, status,
+            code, param, message)
+
+
 def create_app(state: ServerState) -> FastAPI:
     from redraft.server.likelihood_api import register_likelihood_routes
     from redraft.server.openai_api import register_openai_routes
@@ -95,6 +143,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.close_grammar_sandbox()
 
     app = FastAPI(title="redraft", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = DepthCheckedRoute  # every route below parses its body through the depth check
     app.openapi = lambda: _openapi_with_400(app)
     app.state.redraft = state
     install_middleware(app, state)
@@ -102,11 +151,12 @@ def create_app(state: ServerState) -> FastAPI:
     register_likelihood_routes(app, state)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
+    async def _api_error(request: Request, exc: APIError):
+        _log_refusal(request, exc.status, exc.message, exc.param, exc.code)
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in err.get("loc", []) if x != "body"]
         param = ".".join(loc) or getattr(err.get("ctx", {}).get("error"), "param", None)
@@ -115,12 +165,16 @@ def create_app(state: ServerState) -> FastAPI:
             msg = f"unsupported field: {param}"
         elif err.get("type") == "json_invalid":  # its loc holds a character position, not a field
             msg, param = "the body is not valid JSON", None
-        return error_response(400, f"{msg}" + (f" ({param})" if param and "unsupported" not in msg else ""), param=param)
+        message = f"{msg}" + (f" ({param})" if param and "unsupported" not in msg else "")
+        _log_refusal(request, 400, message, param, None)
+        return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(exc.status_code, str(exc.detail), type_, code=getattr(exc, "code", None))
+        param, code = getattr(exc, "param", None), getattr(exc, "code", None)
+        _log_refusal(request, exc.status_code, str(exc.detail), param, code)
+        return error_response(exc.status_code, str(exc.detail), type_, param=param, code=code)
 
     @app.get("/health")
     async def health():
@@ -183,7 +237,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(body: AbortBody):
-        await state.client.abort(body.rid)
+        """The admin ends a request by the id its client sees (`<X-Request-Id>-<choice>`, a /generate rid): every
+        in-flight request of that id, under any API key; or by the engine's scoped id (`<scope>/<id>`, in the
+        engine's log). Answers as before whether or not one was running (aborting is idempotent)."""
+        targets = {r for r in state.client.in_flight_rids
+                   if r == body.rid or (state.api_keys and client_rid(r) == body.rid)}
+        for rid in targets or {body.rid}:
+            await state.client.abort(rid)
+        log.info("admin abort of %r: %d request(s) in flight", body.rid, len(targets))
         return {"rid": body.rid}
 
     @app.post("/generate")
@@ -195,6 +256,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise APIError(400, f"{flag} is not supported (only false)", param=flag)
         prompts = await _native_prompts(state, body)
         raw_params = _with_carried_dials(body)
+        check_logit_bias_keys(raw_params.get("logit_bias"), "sampling_params.logit_bias")
         if body.return_logprob:
             raw_params.update(logprobs=True, top_logprobs=body.top_logprobs_num)
         try:
@@ -212,6 +274,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "stream=true takes a single prompt", param="stream")
         base_rid = body.rid or uuid.uuid4().hex
         rids = [base_rid] if len(prompts) == 1 else [f"{base_rid}-{i}" for i in range(len(prompts))]
+        rids = [engine_rid(request, r) for r in rids]  # scoped by the API key; meta_info.id stays the client's
         names = {"input_ids": "text" if body.text is not None else "input_ids",
                  **{k: f"sampling_params.{k}" for k in ("max_new_tokens", "rid")}}
         streams = await start_streams(state, rids, prompts, [params] * len(prompts), names,

@@ -10,14 +10,16 @@ import asyncio
 from typing import Any, Literal
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from redraft.engine.likelihood import elbo_plan, fill_terms, staircase_values, staircase_variants
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.sampling_params import BLOCK_SIZE
-from redraft.server.common import APIError, ServerState, engine_error
+from redraft.server.common import APIError, ServerState, check_model, engine_error
 from redraft.server.engine_client import EngineDead, EngineRejected
-from redraft.server.openai_protocol import reject_lone_surrogates
+from redraft.server.openai_protocol import reject_lone_surrogates, text_chars
+
+MAX_DETOKENIZE_IDS = 2**17  # token ids per /detokenize (a 128k context's worth): a bounded decode, off the loop
 
 
 async def prompt_logprobs(state: ServerState, ids: list[int], start: int, top_k: int
@@ -56,15 +58,25 @@ class ScoreBody(Strict):
 
 class TokenizeBody(Strict):
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, max_length=1024)  # as chat completions
     add_special_tokens: bool = False  # LLaDA2 adds none either way
     add_generation_prompt: bool = True
     model: str | None = None
 
 
-class DetokenizeBody(Strict):
-    tokens: list[int]
-    model: str | None = None
+class DetokenizeBody(BaseModel):
+    """Not Strict: its ids need no Unicode scan (a Python loop over up to 8 MB of ids on the event loop)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[StrictInt]  # true/false or 1.0 are no token ids
+    model: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:  # the keys and the model name only: ids hold no text
+        if isinstance(data, dict):
+            reject_lone_surrogates([*data.keys(), data.get("model")])
+        return data
 
 
 def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
@@ -101,12 +113,13 @@ def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
+        check_model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.prompt is not None:
             tokens = await state.encode(body.prompt, "prompt")
-        else:
-            state.check_text_length(sum(len(str(m.get("content") or "")) for m in body.messages), "messages")
+        else:  # every string counts (tool call arguments, names, ...): all of it is rendered and tokenized
+            state.check_text_length(text_chars(body.messages), "messages")
             try:  # off the loop, as for chat completions
                 tokens = await asyncio.to_thread(state.tokenizer.encode_chat, body.messages,
                                                  add_generation_prompt=body.add_generation_prompt)
@@ -116,9 +129,15 @@ def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):
-        if any(not 0 <= t < state.vocab_size for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {state.vocab_size})", param="tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        check_model(state, body.model)
+        if len(body.tokens) > MAX_DETOKENIZE_IDS:
+            raise APIError(400, f"tokens holds {len(body.tokens)} ids; at most {MAX_DETOKENIZE_IDS} per request",
+                           param="tokens")
+        vocab = state.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
+        return {"prompt": text}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

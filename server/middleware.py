@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import re
 import uuid
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from redraft.server.common import ServerState
+from redraft.server.common import ServerState, key_scope
+
+log = logging.getLogger("redraft.http")
 
 OPEN_PATHS = {"/health", "/live", "/metrics"}  # liveness probes and Prometheus need no key
 ADMIN_PATHS = {"/abort_request", "/flush_cache"}  # they change what other clients get: the admin key only
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-async def _send_error(send, status: int, message: str, type_: str, code: str | None, headers=()) -> None:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+async def _send_error(send, status: int, message: str, type_: str, code: str | None, headers=(),
+                      param: str | None = None) -> None:
+    rid = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), "-")
+    log.info("request %s refused: %d %s: %s", rid, status, code, message)
+    body = json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -56,6 +62,11 @@ class RedraftMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), *echo]}
             await send(message)
 
+        if sum(k.lower() == b"authorization" for k, _ in scope.get("headers", [])) > 1:
+            # one credential per request: a proxy that checks the first header and this server (the last) would
+            # otherwise disagree on who is calling
+            return await _send_error(send, 400, "the request has more than one Authorization header",
+                                     "invalid_request_error", "duplicate_authorization", echo, "authorization")
         if self.state.api_keys and scope["path"] not in OPEN_PATHS:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
@@ -73,6 +84,8 @@ class RedraftMiddleware:
             elif not key_matches(token, self.state.api_keys):
                 return await _send_error(send, 401, "Incorrect API key provided.", "invalid_request_error",
                                          "invalid_api_key", echo)
+            else:  # the engine ids of this key's requests live in their own namespace (common.engine_rid)
+                scope["state"]["rid_scope"] = key_scope(token)
         if self.state.draining and scope["path"] not in OPEN_PATHS:
             return await _send_error(send, 503, "the server is shutting down", "server_error", "shutting_down",
                                      [*echo, (b"retry-after", b"2")])

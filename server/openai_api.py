@@ -21,9 +21,10 @@ from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.likelihood_api import prompt_logprobs
-from redraft.server.common import (APIError, ChoiceStream, ServerState, check_model, merge_updates, run_all,
-                                   run_until_disconnect, sse, sse_error, start_streams)
-from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
+from redraft.server.common import (APIError, ChoiceStream, ServerState, check_logit_bias_keys, check_model,
+                                   engine_rid, merge_updates, run_all, run_until_disconnect, sse, sse_error,
+                                   start_streams)
+from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue, text_chars
 from redraft.server.structured import constraint_of
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -89,13 +90,35 @@ def validate(req: ChatCompletionRequest | CompletionRequest) -> None:
         req.check_noop_fields()
     except UnsupportedValue as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
+    check_logit_bias_keys(req.logit_bias, "logit_bias")
+
+
+# A non-streamed answer is built whole in memory: its logprob entries (one per output token, plus one per
+# alternative) are bounded, about 70 bytes of JSON each (2^17 entries: ~9 MB). A stream sends them as they come.
+MAX_LOGPROB_ENTRIES = 2**17
+
+
+def check_response_size(state: ServerState, outputs: int, max_tokens: int | None, prompt_tokens: int,
+                        per_token: int, fields: str) -> None:
+    """Refuse a non-streamed request whose logprobs could exceed MAX_LOGPROB_ENTRIES: outputs x max_tokens (the
+    context left after the prompt when unset) x per_token (1 + top alternatives)."""
+    tokens = max_tokens if max_tokens is not None else max(0, state.max_model_len - prompt_tokens)
+    entries = outputs * tokens * per_token
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise APIError(400, f"this non-streamed request could return {entries} logprob entries ({fields}); at most "
+                            f"{MAX_LOGPROB_ENTRIES}: lower one of them or use stream=true",
+                       param=fields.split(" x ")[0], code="response_too_large")
 
 
 def finish_reason(out: OutputStream, tool_calls: list | None = None) -> str:
     if tool_calls:
         return "tool_calls"
-    kind = (out.finish_reason or {}).get("type", "stop")
-    return FINISH.get(kind, "stop")
+    return openai_finish(out.finish_reason)
+
+
+def openai_finish(finish: dict | None) -> str:
+    """OpenAI's finish_reason of the engine's (or the stop string's) finish."""
+    return FINISH.get((finish or {}).get("type", "stop"), "stop")
 
 
 def parse_tool_calls(state: ServerState, out: OutputStream) -> tuple[str | None, list[dict] | None]:
@@ -215,18 +238,21 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:  # would collide with apply_chat_template's own arguments (a TypeError, i.e. a 500)
             raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
-        state.check_text_length(_text_chars(messages) + _text_chars(tools), "messages")
+        state.check_text_length(text_chars(messages) + text_chars(tools), "messages")
         try:  # message text is tokenized as plain text: only the template's markup makes special tokens; off the loop
             ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages, tools=tools,
                                           add_generation_prompt=True, **template_kwargs)
         except ChatTemplateError as exc:
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
         top = body.top_logprobs or 0
+        if body.logprobs and not body.stream:
+            check_response_size(state, body.n, body.requested_max_tokens, len(ids), top + 1,
+                                "n x max_tokens x (top_logprobs + 1)")
         constraint = await constraint_of(state, body, rid)  # checked off the loop
         params = [sampling_params(body, logprobs=body.logprobs, top_logprobs=top, choice=i, constraint=constraint)
                   for i in range(body.n)]
         chat = ChatFormatter(state, f"chatcmpl-{rid}", body, len(ids), tools is not None)
-        rids = [f"{rid}-{i}" for i in range(body.n)]
+        rids = [engine_rid(request, f"{rid}-{i}") for i in range(body.n)]
         streams = await start_streams(state, rids, [ids] * body.n, params, CHAT_PARAMS)
         if body.stream:
             return StreamingResponse(chat.stream(streams), media_type="text/event-stream")
@@ -244,6 +270,9 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         if len(all_prompts) > state.max_choices:  # before any work, echo included
             raise APIError(400, f"this request asks for {len(all_prompts)} outputs; the server allows at most "
                                 f"{state.max_choices} per request (--max-choices-per-request)", param="n")
+        if body.logprobs is not None and not body.stream:
+            check_response_size(state, len(all_prompts), body.max_tokens, min(map(len, prompts)), top + 1,
+                                "n x prompts x max_tokens x (logprobs + 1)")
         fmt = CompletionFormatter(state, f"cmpl-{rid}", body, prompts)
         if body.echo:  # the prompt's own log-probabilities (staircase values), computed before generating
             start = 1 if body.logprob_start_len is None else body.logprob_start_len
@@ -255,7 +284,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
                 return fmt.response([None] * len(all_prompts))
         params = [sampling_params(body, logprobs=body.logprobs is not None, top_logprobs=top, choice=i,
                                   constraint=constraint) for _ in prompts for i in range(body.n)]
-        rids = [f"{rid}-{i}" for i in range(len(all_prompts))]
+        rids = [engine_rid(request, f"{rid}-{i}") for i in range(len(all_prompts))]
         streams = await start_streams(state, rids, all_prompts, params, COMPLETION_PARAMS)
         if body.stream:
             return StreamingResponse(fmt.stream(streams), media_type="text/event-stream")
@@ -282,19 +311,8 @@ def _json_or_raw(args: str | dict) -> Any:
         return args
     try:
         return json.loads(args)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested beyond the parser: passed on as text
         return args
-
-
-def _text_chars(value: Any) -> int:
-    """Characters of every string in a JSON-like value (messages, tools)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_text_chars(v) for v in value)
-    return 0
 
 
 def _prompt_list(prompt: Any) -> list[Any]:
@@ -356,28 +374,27 @@ class ChatFormatter:
         try:
             for c in streams:
                 yield self._chunk(c.index, {"role": "assistant", "content": ""})
-            async for c, item in merge_updates(streams):
-                if isinstance(item, Exception):
-                    yield sse_error(item)
+            async for c, up in merge_updates(streams):
+                if isinstance(up, Exception):
+                    yield sse_error(up)
                     break
-                out = c.out
-                if out.finished and aborted(out):  # cut by the server: a valid finish, then the error
-                    yield self._chunk(c.index, {"content": item} if item else {}, "stop")
+                if up.aborted:  # cut by the server: a valid finish, then the error
+                    yield self._chunk(c.index, {"content": up.text} if up.text else {}, "stop")
                     yield sse_error(aborted_error())
                     break
-                if self.tools:  # tool calls are parsed once the output is whole
-                    if out.finished:
-                        message, reason = self._message(out)
+                if self.tools:  # tool calls are parsed once the output is whole (it is, once finished)
+                    if up.finished:
+                        message, reason = self._message(c.out)
                         delta = {k: v for k, v in message.items() if k != "role" and v is not None}
                         if "tool_calls" in delta:
                             delta["tool_calls"] = [dict(tc, index=j) for j, tc in enumerate(delta["tool_calls"])]
-                        yield self._chunk(c.index, delta, reason, self._lp(c))
+                        yield self._chunk(c.index, delta, reason, self._lp(c, up.ids_end))
                     continue
-                lp = self._lp(c)
-                if item or lp:
-                    yield self._chunk(c.index, {"content": item}, None, lp)
-                if out.finished:
-                    yield self._chunk(c.index, {}, finish_reason(out))
+                lp = self._lp(c, up.ids_end)
+                if up.text or lp:
+                    yield self._chunk(c.index, {"content": up.text}, None, lp)
+                if up.finished:
+                    yield self._chunk(c.index, {}, openai_finish(up.finish_reason))
             else:
                 if self._include_usage:
                     outs = [c.out for c in streams]
@@ -389,11 +406,10 @@ class ChatFormatter:
             yield sse_error(exc)
         yield "data: [DONE]\n\n"
 
-    def _lp(self, c: ChoiceStream) -> dict | None:
-        """The logprobs of the tokens this choice has not sent yet."""
+    def _lp(self, c: ChoiceStream, end: int) -> dict | None:
+        """The logprobs of the tokens this choice has not sent yet, up to output position `end`."""
         if not self.body.logprobs:
             return None
-        end = len(c.out.ids)
         lp = chat_logprobs(self.state, c.out, c.sent_tokens, end)
         c.sent_tokens = end
         return lp if lp and lp["content"] else None
@@ -465,23 +481,22 @@ class CompletionFormatter:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         extra = {"usage": None} if include_usage else {}
         try:
-            async for c, item in merge_updates(streams):
-                if isinstance(item, Exception):
-                    yield sse_error(item)
+            async for c, up in merge_updates(streams):
+                if isinstance(up, Exception):
+                    yield sse_error(up)
                     break
-                out = c.out
-                if out.finished and aborted(out):  # cut by the server: a valid finish, then the error
-                    yield sse(self._envelope(choices=[{"index": c.index, "text": item, "logprobs": None,
+                if up.aborted:  # cut by the server: a valid finish, then the error
+                    yield sse(self._envelope(choices=[{"index": c.index, "text": up.text, "logprobs": None,
                                                        "finish_reason": "stop"}], **extra))
                     yield sse_error(aborted_error())
                     break
                 lp = None
                 if self.body.logprobs is not None:
-                    lp = completion_logprobs(self.state, out, c.sent_tokens, len(out.ids), 0)
-                    c.sent_tokens = len(out.ids)
-                reason = finish_reason(out) if out.finished else None
-                if item or reason or (lp and lp["tokens"]):
-                    yield sse(self._envelope(choices=[{"index": c.index, "text": item, "logprobs": lp,
+                    lp = completion_logprobs(self.state, c.out, c.sent_tokens, up.ids_end, 0)
+                    c.sent_tokens = up.ids_end
+                reason = openai_finish(up.finish_reason) if up.finished else None
+                if up.text or reason or (lp and lp["tokens"]):
+                    yield sse(self._envelope(choices=[{"index": c.index, "text": up.text, "logprobs": lp,
                                                        "finish_reason": reason}], **extra))
             else:
                 if include_usage:

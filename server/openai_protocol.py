@@ -86,6 +86,42 @@ def has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (objects and arrays); real schemas and messages use < 20
+
+
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> list[str] | None:
+    """The path to the first object or array nested more than `limit` levels deep in a parsed JSON value (the
+    body itself is level 1), or None. Iterative, and it stops at the limit, so its cost is bounded by the body."""
+    if not isinstance(value, (dict, list)):
+        return None
+    stack: list[tuple[Any, int, tuple[str, ...]]] = [(value, 1, ())]
+    while stack:
+        v, depth, path = stack.pop()
+        if depth > limit:
+            return list(path)
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, child in items:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1, (*path, str(k))))
+    return None
+
+
+def text_chars(value: Any) -> int:
+    """Characters of every string in a JSON-like value, object keys included (iterative: any depth)."""
+    total = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total
+
+
 def reject_lone_surrogates(data: Any) -> Any:
     if has_lone_surrogate(data):
         raise ValueError("a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not valid Unicode")

@@ -132,8 +132,8 @@ def test_cache_aware_policy_keeps_a_long_prompt_on_one_replica(fleet) -> None:
 
 
 def test_sglang_fields_keep_their_meaning(fleet) -> None:
-    """What the router and SGLang clients add: no_stop_trim keeps the stop string, skip_special_tokens=false
-    shows EOS, return_text_in_logprobs fills the token texts, `model` on /generate must name the model, and
+    """What the router and SGLang clients add: no_stop_trim keeps the stop string (and the EOS that
+    skip_special_tokens=false shows), return_text_in_logprobs fills the token texts, `model` on /generate must name the model, and
     what redraft lacks is refused by name rather than ignored."""
     url, replicas, _ = fleet
     direct = replicas[0].url
@@ -144,10 +144,14 @@ def test_sglang_fields_keep_their_meaning(fleet) -> None:
     assert kept["choices"][0]["message"]["content"] == "42"
     # the chat prompt as plain completion text (its markup tokenizes to the special tokens): the answer ends by EOS
     prompt = Tokenizer.from_pretrained(BUNDLED_MODEL_DIR).apply_chat_template(CHAT, add_generation_prompt=True)
+    # (as SGLang, the EOS that ended it is trimmed from the text unless no_stop_trim: issue 24)
     special = httpx.post(direct + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                                           "skip_special_tokens": False, "ignore_eos": False}).json()
+                                                           "skip_special_tokens": False, "no_stop_trim": True}).json()
+    trimmed_eos = httpx.post(direct + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                               "skip_special_tokens": False}).json()
     plain = httpx.post(direct + "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
-    assert "<|endoftext|>" in special["choices"][0]["text"] and "<|" not in plain["choices"][0]["text"]
+    assert special["choices"][0]["text"].endswith("<|endoftext|>") and "<|" not in plain["choices"][0]["text"]
+    assert trimmed_eos["choices"][0]["text"] == special["choices"][0]["text"][: -len("<|endoftext|>")]
     gen = httpx.post(url + "/generate", json={"text": "What is 12 + 30?", "model": "demo_model",
                                               "return_logprob": True, "return_text_in_logprobs": True,
                                               "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
