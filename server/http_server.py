@@ -25,6 +25,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from redraft import __version__
 from redraft.engine.output_stream import OutputStream
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.dials import DIALS, DialError, lift_dials
@@ -36,6 +37,7 @@ from redraft.server.likelihood_api import prompt_logprobs
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.middleware import install_middleware
 from redraft.server.openai_protocol import MAX_JSON_DEPTH, reject_lone_surrogates, too_deep
+from redraft.server.responses_api import register_responses_routes
 from redraft.server.structured import check_native_constraint
 
 log = logging.getLogger("redraft.http")
@@ -149,6 +151,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_middleware(app, state)
     register_openai_routes(app, state)
     register_likelihood_routes(app, state)
+    register_responses_routes(app, state)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -173,8 +176,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         param, code = getattr(exc, "param", None), getattr(exc, "code", None)
-        _log_refusal(request, exc.status_code, str(exc.detail), param, code)
-        return error_response(exc.status_code, str(exc.detail), type_, param=param, code=code)
+        message = str(exc.detail)
+        if exc.status_code == 404 and request.url.path.startswith("/v1/"):
+            message = _unknown_v1_route(app, request.url.path)
+        _log_refusal(request, exc.status_code, message, param, code)
+        return error_response(exc.status_code, message, type_, param=param, code=code)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():
@@ -308,6 +318,13 @@ def _openapi_with_400(app: FastAPI) -> dict:
                     responses["400"] = {**responses.pop("422"), "description": "Invalid request"}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _unknown_v1_route(app: FastAPI, path: str) -> str:
+    """A 404 under /v1 that says what is here (and why embeddings are not)."""
+    routes = sorted({r.path for r in app.routes if getattr(r, "path", "").startswith("/v1/")})
+    why = " (this server runs a generative model: it has no embeddings)" if path.startswith("/v1/embeddings") else ""
+    return f"no route {path}{why}; the OpenAI routes here are {', '.join(routes)}"
 
 
 def _with_carried_dials(body: GenerateBody) -> dict[str, Any]:

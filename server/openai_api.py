@@ -211,6 +211,38 @@ def completion_logprobs(state: ServerState, out: OutputStream, start: int, end: 
 
 # ---- routes -------------------------------------------------------------------------------------------
 
+async def start_chat(state: ServerState, body: ChatCompletionRequest,
+                     request: Request) -> tuple[list[ChoiceStream], int, bool]:
+    """Check a chat request, render its template, and start its n choices in the engine: (the accepted streams,
+    the prompt's token count, whether tool calls are read from the output). The chat route and the Responses
+    route (server/responses_api.py) both start here."""
+    check_model(state, body.model)
+    validate(body)
+    rid = request.state.request_id
+    messages = [_template_message(m) for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" else None
+    template_kwargs = body.chat_template_kwargs or {}
+    reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:  # would collide with apply_chat_template's own arguments (a TypeError, i.e. a 500)
+        raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
+    state.check_text_length(text_chars(messages) + text_chars(tools), "messages")
+    try:  # message text is tokenized as plain text: only the template's markup makes special tokens; off the loop
+        ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages, tools=tools,
+                                      add_generation_prompt=True, **template_kwargs)
+    except ChatTemplateError as exc:
+        raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
+    top = body.top_logprobs or 0
+    if body.logprobs and not body.stream:
+        check_response_size(state, body.n, body.requested_max_tokens, len(ids), top + 1,
+                            "n x max_tokens x (top_logprobs + 1)")
+    constraint = await constraint_of(state, body, rid)  # checked off the loop
+    params = [sampling_params(body, logprobs=body.logprobs, top_logprobs=top, choice=i, constraint=constraint)
+              for i in range(body.n)]
+    rids = [engine_rid(request, f"{rid}-{i}") for i in range(body.n)]
+    streams = await start_streams(state, rids, [ids] * body.n, params, CHAT_PARAMS)
+    return streams, len(ids), tools is not None
+
+
 def register_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def list_models():
@@ -229,31 +261,8 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(state, body.model)
-        validate(body)
-        rid = request.state.request_id
-        messages = [_template_message(m) for m in body.messages]
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" else None
-        template_kwargs = body.chat_template_kwargs or {}
-        reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:  # would collide with apply_chat_template's own arguments (a TypeError, i.e. a 500)
-            raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
-        state.check_text_length(text_chars(messages) + text_chars(tools), "messages")
-        try:  # message text is tokenized as plain text: only the template's markup makes special tokens; off the loop
-            ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages, tools=tools,
-                                          add_generation_prompt=True, **template_kwargs)
-        except ChatTemplateError as exc:
-            raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
-        top = body.top_logprobs or 0
-        if body.logprobs and not body.stream:
-            check_response_size(state, body.n, body.requested_max_tokens, len(ids), top + 1,
-                                "n x max_tokens x (top_logprobs + 1)")
-        constraint = await constraint_of(state, body, rid)  # checked off the loop
-        params = [sampling_params(body, logprobs=body.logprobs, top_logprobs=top, choice=i, constraint=constraint)
-                  for i in range(body.n)]
-        chat = ChatFormatter(state, f"chatcmpl-{rid}", body, len(ids), tools is not None)
-        rids = [engine_rid(request, f"{rid}-{i}") for i in range(body.n)]
-        streams = await start_streams(state, rids, [ids] * body.n, params, CHAT_PARAMS)
+        streams, prompt_tokens, tools = await start_chat(state, body, request)
+        chat = ChatFormatter(state, f"chatcmpl-{request.state.request_id}", body, prompt_tokens, tools)
         if body.stream:
             return StreamingResponse(chat.stream(streams), media_type="text/event-stream")
         return chat.response(await run_until_disconnect(request, run_all(streams)))
