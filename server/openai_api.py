@@ -155,6 +155,12 @@ def diffusion_stats(outs: list[OutputStream]) -> dict:
     }
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The usage a chunk carries under stream_options.continuous_usage_stats (vLLM's): its choice so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def usage(outs: list[OutputStream], prompt_tokens: int) -> dict:
     completion = sum(len(o.ids) for o in outs)
     cached = max((o.meta.get("cached_tokens", 0) for o in outs), default=0)
@@ -370,10 +376,17 @@ class ChatFormatter:
         return self._envelope("chat.completion", choices=choices, usage=usage(outs, self.prompt_tokens),
                               diffusion=diffusion_stats(outs))
 
-    def _chunk(self, index: int, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> str:
+    def _chunk(self, index: int, delta: dict, reason: str | None = None, logprobs: dict | None = None,
+               tokens: int = 0) -> str:
+        """One choice's chunk; `tokens`: that choice's output tokens so far (continuous_usage_stats)."""
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        extra = {"usage": None} if self._include_usage else {}
+        extra = {"usage": running_usage(self.prompt_tokens, tokens) if self._continuous_usage else None} \
+            if self._include_usage or self._continuous_usage else {}
         return sse(self._envelope("chat.completion.chunk", choices=[choice], **extra))
+
+    @property
+    def _continuous_usage(self) -> bool:
+        return bool(self.body.stream_options and self.body.stream_options.continuous_usage_stats)
 
     @property
     def _include_usage(self) -> bool:
@@ -388,7 +401,7 @@ class ChatFormatter:
                     yield sse_error(up)
                     break
                 if up.aborted:  # cut by the server: a valid finish, then the error
-                    yield self._chunk(c.index, {"content": up.text} if up.text else {}, "stop")
+                    yield self._chunk(c.index, {"content": up.text} if up.text else {}, "stop", tokens=up.ids_end)
                     yield sse_error(aborted_error())
                     break
                 if self.tools:  # tool calls are parsed once the output is whole (it is, once finished)
@@ -397,13 +410,13 @@ class ChatFormatter:
                         delta = {k: v for k, v in message.items() if k != "role" and v is not None}
                         if "tool_calls" in delta:
                             delta["tool_calls"] = [dict(tc, index=j) for j, tc in enumerate(delta["tool_calls"])]
-                        yield self._chunk(c.index, delta, reason, self._lp(c, up.ids_end))
+                        yield self._chunk(c.index, delta, reason, self._lp(c, up.ids_end), tokens=up.ids_end)
                     continue
                 lp = self._lp(c, up.ids_end)
                 if up.text or lp:
-                    yield self._chunk(c.index, {"content": up.text}, None, lp)
+                    yield self._chunk(c.index, {"content": up.text}, None, lp, tokens=up.ids_end)
                 if up.finished:
-                    yield self._chunk(c.index, {}, openai_finish(up.finish_reason))
+                    yield self._chunk(c.index, {}, openai_finish(up.finish_reason), tokens=up.ids_end)
             else:
                 if self._include_usage:
                     outs = [c.out for c in streams]
@@ -487,10 +500,14 @@ class CompletionFormatter:
         return self._envelope(choices=choices, usage=u, diffusion=diffusion_stats(done))
 
     async def stream(self, streams: list[ChoiceStream]) -> AsyncIterator[str]:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        extra = {"usage": None} if include_usage else {}
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
         try:
             async for c, up in merge_updates(streams):
+                # usage on every chunk (continuous_usage_stats: this choice's tokens so far), else null or absent
+                extra = {"usage": running_usage(self._prompt_tokens(), up.ids_end) if continuous else None} \
+                    if include_usage or continuous else {}
                 if isinstance(up, Exception):
                     yield sse_error(up)
                     break

@@ -76,3 +76,25 @@ def test_what_is_no_ones_is_a_400_naming_it(server, path: str, body: dict, param
     err = assert_error_shape(_post(server, path, body), 400)
     assert err["param"] == param and says in err["message"], err
     assert not err["message"].startswith("Value error"), err
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": CHAT}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_continuous_usage_stats_puts_usage_on_every_chunk(server, path: str, body: dict) -> None:
+    import json
+
+    req = {**body, "max_tokens": 70, "ignore_eos": True, "stream": True,
+           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = []
+    with httpx.stream("POST", server.url + path, json=req, timeout=60, trust_env=False) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    with_choices = [c for c in chunks if c["choices"]]
+    counts = [c["usage"]["completion_tokens"] for c in with_choices]
+    assert len(counts) >= 3 and counts == sorted(counts) and counts[-1] == 70, counts
+    prompt = with_choices[0]["usage"]["prompt_tokens"]
+    assert all(c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in with_choices)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 70
