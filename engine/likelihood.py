@@ -28,6 +28,10 @@ from typing import Sequence
 
 _MASK32 = 0xFFFFFFFF
 MAX_EXACT_BLOCK = 8  # response tokens per block the `exact` estimator enumerates (2^8 - 1 masks)
+# Variants (block forwards of 32 tokens) one likelihood request may need: /score's plan, or the prompt
+# log-probabilities of all the prompts of one echo / input-logprobs request. The engine runs them in bounded
+# chunks between decoding iterations, so this bounds how long one request occupies a share of the engine.
+MAX_VARIANTS = 65536
 
 
 def _mix32(x: int) -> int:
