@@ -468,7 +468,8 @@ class EngineCore:
         return self.scheduler.flush_cache()
 
     def stats(self) -> dict[str, Any]:
-        return self.scheduler.stats()
+        return {**self.scheduler.stats(), "num_score_jobs": len(self._jobs),
+                "num_request_failures": self.num_request_failures}
 
     def info(self) -> dict[str, Any]:
         """What the HTTP process shows about this engine (/get_server_info, /v1/models, startup log)."""
