@@ -32,7 +32,7 @@ from redraft.engine.likelihood import MAX_VARIANTS as MAX_SCORE_VARIANTS  # (the
 from redraft.engine.loader import load_model, resolve_dtype, resolve_quantization
 from redraft.engine.sharding import RankLayout, check_layout
 from redraft.engine.model_runner import ModelRunner
-from redraft.engine.scoring import ScoreJob
+from redraft.engine.scoring import CHUNK_TOKENS, ScoreJob, TimeShare
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.messages import Accepted, RequestOutput, ScoreResult
 from redraft.protocol.sampling_params import BLOCK_SIZE, Defaults, SamplingParams, resolve
@@ -156,6 +156,7 @@ class EngineCore:
         self.runner.faults = self.scheduler.fault_hook = self.faults
         self._jobs: dict[str, ScoreJob] = {}  # likelihood jobs by token, advanced round-robin one chunk per step
         self._score_results: list[ScoreResult] = []  # finished jobs not yet taken (take_score_results)
+        self._score_share = TimeShare()  # scoring's share of the engine's time while requests decode
         self._fault_streak: tuple[str, int, set[str]] = ("", 0, set())  # batch failures alike in a row
         self.num_request_failures = 0
 
@@ -276,7 +277,8 @@ class EngineCore:
                     self.fail(rid, exc, stage)
                 self.scheduler.update(part, out)
             self.num_forwards += 1
-        self._advance_scoring()
+            self._score_share.decoded(time.monotonic() - now)
+        self._advance_scoring(decoding=bool(items))
         outs = [self._output_guarded(req) for req in self.scheduler.drain_updates()]
         # A block that ended inside an open MBE window committed nothing yet: no message until something does.
         return [o for o in outs if o.new_ids or o.finished]
@@ -399,8 +401,10 @@ class EngineCore:
         if len(variants) > MAX_SCORE_VARIANTS:
             raise RequestRejected(f"this request needs {len(variants)} block forwards; at most {MAX_SCORE_VARIANTS}",
                                   param="variants")
-        job = ScoreJob(token, sequences, variants, top_k, max_tokens or self.args.chunked_prefill_size, BLOCK_SIZE,
-                       self.tokenizer.mask_token_id, RequestRejected)
+        budget = max_tokens or min(self.args.chunked_prefill_size,
+                                   CHUNK_TOKENS.get(torch.device(self.args.device).type, CHUNK_TOKENS["cuda"]))
+        job = ScoreJob(token, sequences, variants, top_k, budget, BLOCK_SIZE, self.tokenizer.mask_token_id,
+                       RequestRejected)
         job.start(self.scheduler)
         return job
 
@@ -424,16 +428,20 @@ class EngineCore:
         out, self._score_results = self._score_results, []
         return out
 
-    def _advance_scoring(self) -> None:
+    def _advance_scoring(self, decoding: bool) -> None:
         """One chunk of the oldest job, which then goes to the back of the line (round-robin: a small echo
-        request does not wait behind a large /score). A job that fails ends alone with an error result."""
-        if not self._jobs:
+        request does not wait behind a large /score). While requests decode (`decoding`: this iteration ran a
+        forward), only within scoring's share of the time (scoring.TimeShare). A job that fails ends alone with
+        an error result."""
+        if not self._jobs or not self._score_share.may_run(decoding):
             return
         token, job = next(iter(self._jobs.items()))
         del self._jobs[token]
+        t0 = time.monotonic()
         try:
             self.faults.check("score", token)
             done = job.advance(self.scheduler, self.runner)
+            self._score_share.scored(time.monotonic() - t0, decoding)
         except RequestRejected as exc:
             job.release(self.scheduler)
             self._score_results.append(ScoreResult(token, None, exc.status, str(exc), exc.code, exc.param))

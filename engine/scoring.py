@@ -8,8 +8,9 @@ from the radix tree, fresh ones for the rest). Its chunks, in order:
      a prefix longer than the budget is split into block-aligned pieces of exactly the budget (so no two pieces
      of one prefix ever share a forward: a later piece reads the K/V the earlier one wrote);
   2. the variants, each on a scratch page of its own (allocated and freed within its chunk).
-Each chunk is at most `budget` tokens of forward (one item more when a single one is larger). The chunks are
-those the engine ran in one go before jobs existed, so the values are the same.
+Each chunk is at most `budget` tokens of forward (CHUNK_TOKENS, or less): a fixed size, so a job's values do not
+depend on what runs beside it or when. While requests decode, chunks run only within SHARE of the engine's time
+(TimeShare), so running requests keep their pace.
 """
 
 from __future__ import annotations
@@ -17,6 +18,33 @@ from __future__ import annotations
 from typing import Any, Callable
 
 RequestRejectedFactory = Callable[..., Exception]
+
+# Tokens of forward in one chunk of a job (at most --chunked-prefill-size), by device type: fixed, so a job's values
+# never depend on timing, and small enough that one chunk delays the running requests' next step by little (on this
+# project's CPU test machine a 1024-token forward of the demo model takes about 0.2 s; a GPU's is milliseconds).
+CHUNK_TOKENS = {"cpu": 1024, "cuda": 4096}
+# While requests are decoding, likelihood work gets at most this much engine time per second of decoding time
+# (between the two, chunks wait): running requests keep most of their pace, jobs still progress.
+SHARE = 0.25
+MAX_CREDIT_S = 0.25  # unused credit kept across idle spells (a burst of chunks after a pause stays short)
+
+
+class TimeShare:
+    """When a job may run its next chunk: at once while nothing decodes, else when scoring has spent less than
+    SHARE of the decoding time (a credit in seconds, earned by decoding, spent by chunks)."""
+
+    def __init__(self, share: float = SHARE):
+        self.share = share
+        self.credit = 0.0
+
+    def decoded(self, seconds: float) -> None:
+        self.credit = min(self.credit + self.share * seconds, MAX_CREDIT_S)
+
+    def may_run(self, decoding: bool) -> bool:
+        return not decoding or self.credit > 0
+
+    def scored(self, seconds: float, decoding: bool) -> None:
+        self.credit = self.credit - seconds if decoding else 0.0
 
 
 def chunks(items: list, budget: int, cost: Callable[[Any], int]) -> list[list]:
@@ -57,7 +85,9 @@ class ScoreJob:
         """Lease the clean prefixes (RequestRejected 503 when the KV cache cannot hold them now) and plan the
         chunks."""
         b = self.block_size
-        need = [max((v.block for v in self.variants if v.seq == i), default=0) for i in range(len(self.sequences))]
+        need = [0] * len(self.sequences)  # per sequence: the prefix blocks its variants attend to
+        for seq, block, _, _ in self.variants:
+            need[seq] = max(need[seq], block)
         for seq, k in zip(self.sequences, need):
             lease = sched.lease_prefix(seq[: k * b])
             if lease is None:
@@ -110,15 +140,15 @@ class ScoreJob:
         try:
             queries, reads = [], []
             for i, page in zip(chunk, pages):
-                v = self.variants[i]
-                seq, start = self.sequences[v.seq], v.block * b
+                s, block, masked_at, targets = self.variants[i]  # a likelihood.Variant, or the plain tuple of one
+                seq, start = self.sequences[s], block * b
                 ids = seq[start : start + b]
-                masked = set(v.masked)
+                masked = set(masked_at)
                 # a whole block, past the text's end padded with MASK (as a block being decoded is), so a value
                 # never depends on what follows
                 ids = [mask if start + j in masked else t for j, t in enumerate(ids)] + [mask] * (b - len(ids))
-                queries.append((ids, start, self.leases[v.seq].pages[: v.block] + [page]))
-                reads.append([(p - start, seq[p]) for p in v.targets])
+                queries.append((ids, start, self.leases[s].pages[:block] + [page]))
+                reads.append([(p - start, seq[p]) for p in targets])
             for i, row in zip(chunk, runner.query_logprobs(queries, reads, self.top_k)):
                 self.results[i] = row
         finally:

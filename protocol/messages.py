@@ -39,7 +39,7 @@ class ScoreReq:
 
     token: str
     sequences: list[list[int]]
-    variants: list[Any]  # likelihood.Variant
+    variants: list[Any]  # likelihood.Variant, or its plain tuple (seq, block, masked, targets)
     top_k: int = 0
 
 

@@ -358,7 +358,9 @@ class EngineClient:
     async def score(self, sequences: list[list[int]], variants: list, top_k: int = 0, timeout: float = 600.0) -> list:
         """Log-probabilities of masked variants (ScoreReq); EngineRejected when the engine refuses. Cancelled
         (the client left) or timed out, the engine drops the job and frees its pages at once."""
-        msg = ScoreReq(uuid.uuid4().hex, sequences, variants, top_k)
+        # variants as plain tuples: a maximal request's 65,536 pickle in a fifth of the time (the engine reads them
+        # positionally, as likelihood.Variant's fields)
+        msg = ScoreReq(uuid.uuid4().hex, sequences, [tuple(v) for v in variants], top_k)
         try:
             res = await self._request(msg, timeout)
         except (asyncio.CancelledError, asyncio.TimeoutError):

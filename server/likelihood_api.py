@@ -12,7 +12,9 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from redraft.engine.likelihood import MAX_VARIANTS, elbo_plan, fill_terms, staircase_values, staircase_variants
+from redraft.engine.likelihood import (
+    MAX_VARIANTS, elbo_plan, fill_terms, min_variants, staircase_values, staircase_variants,
+)
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.server.common import APIError, ServerState, engine_error, run_until_disconnect
@@ -105,10 +107,14 @@ def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
                 raise APIError(400, "prompt and response must each hold at least one token", param=f"items.{k}")
             seqs.append(list(p) + list(r))
             spans.append((len(p), len(p) + len(r)))
-        try:
-            plan = elbo_plan(spans, estimator=body.estimator, num_timesteps=body.num_timesteps,
-                             timestep_rule=body.timestep_rule, masking=body.masking, seed=body.seed,
-                             block_size=BLOCK_SIZE)
+        low = min_variants(spans, estimator=body.estimator, num_timesteps=body.num_timesteps, block_size=BLOCK_SIZE)
+        if low > MAX_VARIANTS:  # before planning: a maximal plan takes seconds of CPU
+            raise APIError(400, f"this request needs at least {low} block forwards; at most {MAX_VARIANTS}",
+                           param="num_timesteps")
+        try:  # off the event loop: planning the largest allowed request takes seconds
+            plan = await asyncio.to_thread(elbo_plan, spans, estimator=body.estimator,
+                                           num_timesteps=body.num_timesteps, timestep_rule=body.timestep_rule,
+                                           masking=body.masking, seed=body.seed, block_size=BLOCK_SIZE)
         except ValueError as exc:
             raise APIError(400, str(exc), param="estimator") from exc
         if len(plan.variants) > MAX_VARIANTS:
@@ -119,7 +125,7 @@ def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
                 else []
         except (EngineDead, EngineRejected) as exc:
             raise engine_error(exc, {"input_ids": "items"}) from exc
-        results = fill_terms(plan, [[lp for lp, _ in row] for row in rows])
+        results = await asyncio.to_thread(fill_terms, plan, [[lp for lp, _ in row] for row in rows])
         return {"object": "score", "model": state.model_name, "estimator": body.estimator,
                 "num_timesteps": body.num_timesteps, "timestep_rule": body.timestep_rule, "masking": body.masking,
                 "seed": body.seed, "block_size": BLOCK_SIZE, "results": results}
