@@ -157,7 +157,7 @@ class EngineCore:
         self._jobs: dict[str, ScoreJob] = {}  # likelihood jobs by token, advanced round-robin one chunk per step
         self._score_results: list[ScoreResult] = []  # finished jobs not yet taken (take_score_results)
         self._score_share = TimeShare()  # scoring's share of the engine's time while requests decode
-        self._fault_streak: tuple[str, int, set[str]] = ("", 0, set())  # batch failures alike in a row
+        self._fault_streak: tuple[str, set[str]] = ("", set())  # forward failures alike in a row, their rids
         self.num_request_failures = 0
 
     def _default_kv_tokens(self) -> int:
@@ -289,7 +289,7 @@ class EngineCore:
         A half's rows are reloaded from its requests first (the failed attempt may have advanced them)."""
         try:
             out = self.runner.run(items)
-            self._fault_streak = ("", 0, set())
+            self._fault_streak = ("", set())
             return [(items, out)]
         except Exception as exc:  # noqa: BLE001 - attributed below, or an EngineFault
             if len(items) == 1:
@@ -306,9 +306,9 @@ class EngineCore:
         """A forward of one request alone failed. The same failure for FAULT_STREAK different requests in a
         row, with no forward succeeding in between, is the engine's own (a broken device): EngineFault."""
         key = f"{type(exc).__name__}: {exc}".replace(rid, "<rid>")
-        last, n, rids = self._fault_streak
+        last, rids = self._fault_streak
         rids = (rids | {rid}) if key == last else {rid}
-        self._fault_streak = (key, len(rids), rids)
+        self._fault_streak = (key, rids)
         if len(rids) >= FAULT_STREAK:
             raise EngineFault(f"the forward failed alike for {len(rids)} requests in a row: {key}") from exc
 
@@ -405,7 +405,11 @@ class EngineCore:
                                    CHUNK_TOKENS.get(torch.device(self.args.device).type, CHUNK_TOKENS["cuda"]))
         job = ScoreJob(token, sequences, variants, top_k, budget, BLOCK_SIZE, self.tokenizer.mask_token_id,
                        RequestRejected)
-        job.start(self.scheduler)
+        try:
+            job.start(self.scheduler)
+        except BaseException:
+            job.release(self.scheduler)  # the prefixes leased before the one that did not fit
+            raise
         return job
 
     def add_score_job(self, token: str, sequences: list[list[int]], variants: list[Any], top_k: int = 0) -> None:
@@ -465,8 +469,12 @@ class EngineCore:
         alternatives) at each target. RequestRejected as in new_score_job."""
         job = self.new_score_job("offline", sequences, variants, top_k, max_tokens)
         try:
-            while not job.advance(self.scheduler, self.runner):
-                pass
+            while True:
+                before = job.chunks_run
+                if job.advance(self.scheduler, self.runner):
+                    break
+                if job.chunks_run == before:  # no scratch page (requests hold them): nothing frees one here
+                    raise RequestRejected("the KV cache is full: try again", status=503, code="cache_full")
         finally:
             job.release(self.scheduler)
         return job.results

@@ -355,7 +355,7 @@ class EngineClient:
     async def flush_cache(self, timeout: float = 10.0) -> FlushCacheResult:
         return await self._request(FlushCacheReq(uuid.uuid4().hex), timeout)
 
-    async def score(self, sequences: list[list[int]], variants: list, top_k: int = 0, timeout: float = 600.0) -> list:
+    async def score(self, sequences: list[list[int]], variants: list, top_k: int = 0, timeout: float = 3600.0) -> list:
         """Log-probabilities of masked variants (ScoreReq); EngineRejected when the engine refuses. Cancelled
         (the client left) or timed out, the engine drops the job and frees its pages at once."""
         # variants as plain tuples: a maximal request's 65,536 pickle in a fifth of the time (the engine reads them

@@ -30,7 +30,14 @@ async def prompt_logprobs(state: ServerState, ids: list[int], start: int, top_k:
         rows = await state.client.score([ids], variants, top_k) if variants else []
     except (EngineDead, EngineRejected) as exc:
         raise engine_error(exc, {"input_ids": "prompt"}) from exc
+    except asyncio.TimeoutError as exc:
+        raise _timed_out() from exc
     return staircase_values(len(ids), variants, rows)
+
+
+def _timed_out() -> APIError:
+    return APIError(503, "the likelihood work did not finish in time (the engine is busy): try again or send less",
+                    "server_error", code="timeout")
 
 
 def check_prompt_logprobs_budget(prompts: list[list[int]], start: int, param: str) -> None:
@@ -125,6 +132,8 @@ def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
                 else []
         except (EngineDead, EngineRejected) as exc:
             raise engine_error(exc, {"input_ids": "items"}) from exc
+        except asyncio.TimeoutError as exc:
+            raise _timed_out() from exc
         results = await asyncio.to_thread(fill_terms, plan, [[lp for lp, _ in row] for row in rows])
         return {"object": "score", "model": state.model_name, "estimator": body.estimator,
                 "num_timesteps": body.num_timesteps, "timestep_rule": body.timestep_rule, "masking": body.masking,

@@ -209,7 +209,7 @@ def test_a_failing_score_job_ends_alone_with_an_error(engine, alone) -> None:
 
 
 # ---- through a live server -------------------------------------------------------------------------------------
-FAULTS = "forward:crash,output:kaput,controls:ctl,pre_forward:pre"
+FAULTS = "forward:crash,output:kaput,controls:ctl,pre_forward:pre,admit:adm"
 BYSTANDERS = [[50 + 3 * i + k for k in range(6)] for i in range(6)]
 BYSTANDER_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True, "mode": "Q"}
 
@@ -245,6 +245,7 @@ def _bad_requests(c: httpx.Client) -> dict[str, httpx.Response | list]:
     with c.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "pre-4"},
                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}) as r:
         out["chat_stream"] = (r.status_code, _sse_events(r))
+    out["admit"] = c.post("/generate", json={"input_ids": [5, 6], "rid": "adm-5", "sampling_params": {}})
     return out
 
 
@@ -268,7 +269,7 @@ def test_live_failures_end_their_request_alone(faulty) -> None:
     for r, ref in zip(got, alone):  # the bystanders: exactly what they produce alone
         assert r is not None and r.status_code == 200, r and r.text
         assert r.json()["output_ids"] == ref
-    for name in ("generate", "completions"):  # non-streamed: a 500 in OpenAI's shape naming the reason
+    for name in ("generate", "completions", "admit"):  # non-streamed: a 500 in OpenAI's shape naming the reason
         err = assert_error_shape(bad[name], 500)
         assert err["code"] == "internal_error" and "injected fault" in err["message"], (name, err)
     for name in ("generate_stream", "chat_stream"):  # streamed: its chunks, then an error event, then [DONE]
