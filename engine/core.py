@@ -39,7 +39,7 @@ from redraft.protocol.sampling_params import BLOCK_SIZE, Defaults, SamplingParam
 from redraft.protocol.server_args import ServerArgs
 from redraft.scheduler.request import FinishReason, Request
 from redraft.scheduler.scheduler import (
-    QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, StepOutput, WorkItem, error_reason,
+    QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, StepOutput, WorkItem, describe, error_reason,
 )
 
 log = logging.getLogger("redraft.engine")
@@ -247,7 +247,7 @@ class EngineCore:
     def fail(self, rid: str, exc: BaseException, stage: str) -> None:
         """End one request with an error finish (`finish_reason` error, the reason in its message): a failure
         inside the engine that concerns it alone. Its pages are released at once; the batch runs on."""
-        log.error("request %s failed in %s: %s: %s", rid, stage, type(exc).__name__, exc)
+        log.error("request %s failed in %s: %s", rid, stage, describe(exc))
         log.debug("request %s failed in %s", rid, stage, exc_info=exc)
         self.num_request_failures += 1
         self.scheduler.fail(rid, exc)
@@ -296,8 +296,8 @@ class EngineCore:
                 self._note_batch_failure(items[0].req.rid, exc)
                 self.fail(items[0].req.rid, exc, "forward")
                 return []
-            log.warning("a batch of %d requests failed (%s: %s): running it in halves to find the cause",
-                        len(items), type(exc).__name__, exc)
+            log.warning("a batch of %d requests failed (%s): running it in halves to find the cause", len(items),
+                        describe(exc))
             self._reset_rows(items)
             mid = len(items) // 2
             return self._run_isolating(items[:mid]) + self._run_isolating(items[mid:])
@@ -451,10 +451,10 @@ class EngineCore:
             self._score_results.append(ScoreResult(token, None, exc.status, str(exc), exc.code, exc.param))
             return
         except Exception as exc:  # noqa: BLE001 - one job's failure must not stop the loop
-            log.error("score job %s failed: %s: %s", token, type(exc).__name__, exc)
+            log.error("score job %s failed: %s", token, describe(exc))
             log.debug("score job %s failed", token, exc_info=True)
             job.release(self.scheduler)
-            self._score_results.append(ScoreResult(token, None, 500, f"scoring failed: {type(exc).__name__}: {exc}",
+            self._score_results.append(ScoreResult(token, None, 500, f"scoring failed: {describe(exc)}",
                                                    "internal_error"))
             return
         if done:

@@ -103,9 +103,11 @@ class EngineLoop:
     def _handle_failed(self, msg: Any, exc: Exception) -> None:
         """An unexpected failure handling one message: answered as a 500 for that message alone."""
         name = getattr(msg, "rid", None) or getattr(msg, "token", None)
-        log.error("handling %s %s failed: %s: %s", type(msg).__name__, name, type(exc).__name__, exc)
+        from redraft.scheduler.scheduler import describe
+
+        log.error("handling %s %s failed: %s", type(msg).__name__, name, describe(exc))
         log.debug("handling %s %s failed", type(msg).__name__, name, exc_info=True)
-        text = f"internal error: {type(exc).__name__}: {exc}"
+        text = f"internal error: {describe(exc)}"
         if isinstance(msg, GenerateReq):
             self.outbox.append(Rejected(msg.rid, 500, text, "internal_error"))
         elif isinstance(msg, ScoreReq):

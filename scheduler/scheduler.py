@@ -26,9 +26,16 @@ from redraft.scheduler.request import FinishReason, Request, Status
 log = logging.getLogger("redraft.scheduler")
 
 
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """An exception in one short line (a grammar library's message may carry a page of parser state)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def error_reason(exc: BaseException) -> FinishReason:
     """The finish of a request that a failure inside the engine ended (that request alone)."""
-    return FinishReason("error", message=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    return FinishReason("error", message=describe(exc))
 
 
 @dataclass
@@ -157,7 +164,7 @@ class Scheduler:
                 self.fault_hook(stage, req.rid)
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the batch
-            log.error("request %s failed in %s: %s: %s", req.rid, stage, type(exc).__name__, exc)
+            log.error("request %s failed in %s: %s", req.rid, stage, describe(exc))
             log.debug("request %s failed in %s", req.rid, stage, exc_info=True)
             if not req.finished:
                 self._finish(req, error_reason(exc))

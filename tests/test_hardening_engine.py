@@ -364,3 +364,21 @@ def test_likelihood_caps_are_400s_naming_the_field(plain) -> None:
     err = assert_error_shape(c.post("/score", json={**MAX_SCORE, "items": [dict(it, response=it["response"] * 2)
                                                                            for it in MAX_SCORE["items"]]}), 400)
     assert err["param"] == "num_timesteps" and "65536" in err["message"], err
+
+
+def test_a_grammar_that_fails_mid_decoding_ends_its_request_not_the_engine(faulty) -> None:
+    """Issue 24 item 3: an object schema with 499 optional properties passed the HTTP checks and then raised inside
+    the engine's step (llguidance: `Current row has 2003 items; max is 2000`), killing the engine process. Now: a 4xx
+    (if the HTTP side learns to refuse it) or an error finish (500 naming the reason); the engine lives on."""
+    srv, c = faulty
+    pid = srv.engine_pid()
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(499)}}
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "json"}], "max_tokens": 40,
+                                             "response_format": {"type": "json_schema",
+                                                                 "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code in (400, 500), r.text
+    err = assert_error_shape(r)
+    if r.status_code == 500:
+        assert err["code"] == "internal_error" and "grammar" in err["message"], err
+    ok = c.post("/generate", json={"input_ids": BYSTANDERS[0], "sampling_params": BYSTANDER_PARAMS})
+    assert ok.status_code == 200 and srv.engine_pid() == pid
