@@ -3,7 +3,8 @@
 Each iteration: take every pending message (new requests, aborts, flushes, pings, likelihood jobs), run one
 core step (one forward for the whole batch, and a bounded chunk of likelihood work), then send back one list:
 acceptances, rejections, what each request committed since its last message, finished likelihood jobs. A failure
-that concerns one request ends that request (an error finish, a 500 for that message), never this loop. Idle, it blocks on the socket instead of spinning. It exits on ShutdownReq,
+that concerns one request ends that request (an error finish, a 500 for that message), never this loop.
+Idle, it blocks on the socket instead of spinning. It exits on ShutdownReq,
 or by itself when its parent process is gone, so no orphan is ever left behind.
 """
 

@@ -280,7 +280,8 @@ def test_live_failures_end_their_request_alone(faulty) -> None:
         assert all("error" not in e for e in events[:-2]), (name, events)
     assert srv.engine_pid() == pid, "the engine process was restarted"
     log = srv.log_tail(200_000)
-    for rid, stage in (("crash-1", "forward"), ("kaput-2", "output"), ("ctl-3-0", "controls"), ("pre-4", "pre_forward")):
+    for rid, stage in (("crash-1", "forward"), ("kaput-2", "output"), ("ctl-3-0", "controls"),
+                       ("pre-4", "pre_forward")):
         assert f"request {rid}" in log and f"in {stage}" in log, (rid, stage, log[-3000:])
     assert "restarting the engine" not in log
     info = c.get("/server_info").json()
@@ -359,10 +360,9 @@ def test_likelihood_caps_are_400s_naming_the_field(plain) -> None:
               "sampling_params": {"max_new_tokens": 1}}
     err = assert_error_shape(c.post("/generate", json=native), 400)
     assert err["param"] == "logprob_start_len" and "65536" in err["message"], err
-    over = dict(MAX_SCORE, items=MAX_SCORE["items"] + [MAX_SCORE["items"][0]])[:0] if False else None
-    del over
-    err = assert_error_shape(c.post("/score", json={**MAX_SCORE, "items": [dict(it, response=it["response"] * 2)
-                                                                           for it in MAX_SCORE["items"]]}), 400)
+    # responses of two blocks: twice the maximal plan, refused before it is built
+    doubled = [dict(it, response=it["response"] * 2) for it in MAX_SCORE["items"]]
+    err = assert_error_shape(c.post("/score", json={**MAX_SCORE, "items": doubled}), 400)
     assert err["param"] == "num_timesteps" and "65536" in err["message"], err
 
 
