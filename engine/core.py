@@ -26,19 +26,31 @@ import torch
 from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
 from redraft.engine.defaults import resolve_model_path
+from redraft.engine.faults import FaultInjector
 from redraft.engine.grammar import GrammarError, Grammars, max_output_tokens
 from redraft.engine.grammar_sandbox import GrammarSandbox
+from redraft.engine.likelihood import MAX_VARIANTS as MAX_SCORE_VARIANTS  # (the HTTP routes check it first)
 from redraft.engine.loader import load_model, resolve_dtype, resolve_quantization
 from redraft.engine.sharding import RankLayout, check_layout
 from redraft.engine.model_runner import ModelRunner
+from redraft.engine.scoring import CHUNK_TOKENS, ScoreJob, TimeShare
 from redraft.engine.tokenizer import Tokenizer
-from redraft.protocol.messages import Accepted, RequestOutput
+from redraft.protocol.messages import Accepted, RequestOutput, ScoreResult
 from redraft.protocol.sampling_params import BLOCK_SIZE, Defaults, SamplingParams, resolve
 from redraft.protocol.server_args import ServerArgs
 from redraft.scheduler.request import FinishReason, Request
-from redraft.scheduler.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
+from redraft.scheduler.scheduler import (
+    QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, StepOutput, WorkItem, describe, error_reason,
+)
 
 log = logging.getLogger("redraft.engine")
+
+
+FAULT_STREAK = 3  # batch failures in a row, each of a whole batch and alike, that make an engine fault
+
+
+class EngineFault(RuntimeError):
+    """A failure of the engine itself (not of one request): the loop lets it propagate."""
 
 
 class RequestRejected(ValueError):
@@ -147,6 +159,13 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # every request not yet reported finished
         self._timing: dict[str, _Timing] = {}
         self.num_forwards = 0
+        self.faults = FaultInjector.from_env()  # a test hook, inert unless REDRAFT_FAULT_INJECT is set
+        self.runner.faults = self.scheduler.fault_hook = self.faults
+        self._jobs: dict[str, ScoreJob] = {}  # likelihood jobs by token, advanced round-robin one chunk per step
+        self._score_results: list[ScoreResult] = []  # finished jobs not yet taken (take_score_results)
+        self._score_share = TimeShare()  # scoring's share of the engine's time while requests decode
+        self._fault_streak: tuple[str, set[str]] = ("", set())  # forward failures alike in a row, their rids
+        self.num_request_failures = 0
 
     def _default_kv_tokens(self) -> int:
         per_token = ModelRunner.kv_bytes_per_token(self.model_config, resolve_dtype(self.args.resolved_dtype))
@@ -168,6 +187,7 @@ class EngineCore:
     # ---- admission: the one place a request is checked and its defaults resolved ----------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Accepted:
         """Validate, resolve and queue one request; RequestRejected says why not."""
+        self.faults.check("admit", rid)
         ids = list(input_ids)
         if not ids:
             raise RequestRejected("the prompt is empty", param="input_ids")
@@ -244,13 +264,23 @@ class EngineCore:
         reason = FinishReason(finish["type"], matched=finish.get("matched")) if finish else None
         return self.scheduler.abort(rid, reason, keep_tokens)
 
+    def fail(self, rid: str, exc: BaseException, stage: str) -> None:
+        """End one request with an error finish (`finish_reason` error, the reason in its message): a failure
+        inside the engine that concerns it alone. Its pages are released at once; the batch runs on."""
+        log.error("request %s failed in %s: %s", rid, stage, describe(exc))
+        log.debug("request %s failed in %s", rid, stage, exc_info=exc)
+        self.num_request_failures += 1
+        self.scheduler.fail(rid, exc)
+
     # ---- the loop ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._jobs)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, one forward for the whole batch, apply the decoding step; then the
-        output of every request that committed a block or finished (aborts included) since the last call."""
+        """One iteration: schedule, one forward for the whole batch, apply the decoding step, one chunk of
+        likelihood work; then the output of every request that committed a block or finished (aborts and
+        error finishes included) since the last call. A failure that concerns one request ends that request
+        alone (see `fail`); EngineFault when the engine itself is broken."""
         items = self.scheduler.schedule() if self.scheduler.has_work() else []
         if self.args.recompute_prefix:  # benchmark baseline: nothing is ever cached
             for it in items:
@@ -262,11 +292,67 @@ class EngineCore:
                 t = self._timing.get(it.req.rid)
                 if t is not None and t.queue_time is None:
                     t.queue_time = now - t.enqueued
-            self.scheduler.update(items, self.runner.run(items))
+            for part, out in self._run_isolating(items):
+                for rid, (stage, exc) in out.failed.items():
+                    self.fail(rid, exc, stage)
+                self.scheduler.update(part, out)
             self.num_forwards += 1
-        outs = [self._output(req) for req in self.scheduler.drain_updates()]
+            self._score_share.decoded(time.monotonic() - now)
+        self._advance_scoring(decoding=bool(items))
+        outs = [self._output_guarded(req) for req in self.scheduler.drain_updates()]
         # A block that ended inside an open MBE window committed nothing yet: no message until something does.
         return [o for o in outs if o.new_ids or o.finished]
+
+    def _run_isolating(self, items: list[WorkItem]) -> list[tuple[list[WorkItem], StepOutput]]:
+        """The forward of `items`; when it raises, the same items in halves (recursively), so that only the
+        requests whose forward fails on their own end (error finish) and the rest run as they would have.
+        A half's rows are reloaded from its requests first (the failed attempt may have advanced them)."""
+        try:
+            out = self.runner.run(items)
+            self._fault_streak = ("", set())
+            return [(items, out)]
+        except Exception as exc:  # noqa: BLE001 - attributed below, or an EngineFault
+            if len(items) == 1:
+                self._note_batch_failure(items[0].req.rid, exc)
+                self.fail(items[0].req.rid, exc, "forward")
+                return []
+            log.warning("a batch of %d requests failed (%s): running it in halves to find the cause", len(items),
+                        describe(exc))
+            self._reset_rows(items)
+            mid = len(items) // 2
+            return self._run_isolating(items[:mid]) + self._run_isolating(items[mid:])
+
+    def _note_batch_failure(self, rid: str, exc: BaseException) -> None:
+        """A forward of one request alone failed. The same failure for FAULT_STREAK different requests in a
+        row, with no forward succeeding in between, is the engine's own (a broken device): EngineFault."""
+        key = f"{type(exc).__name__}: {exc}".replace(rid, "<rid>")
+        last, rids = self._fault_streak
+        rids = (rids | {rid}) if key == last else {rid}
+        self._fault_streak = (key, rids)
+        if len(rids) >= FAULT_STREAK:
+            raise EngineFault(f"the forward failed alike for {len(rids)} requests in a row: {key}") from exc
+
+    def _reset_rows(self, items: list[WorkItem]) -> None:
+        self.runner.slots.forget([it.req for it in items])
+        for it in items:
+            if isinstance(it.req.constraint, Constraint):
+                it.req.constraint.version = -1  # re-synced to the request's tokens before the next forward
+
+    def _output_guarded(self, req: Request) -> RequestOutput:
+        """`_output`, or, when building it fails, an error finish for that request alone."""
+        try:
+            self.faults.check("output", req.rid)
+            return self._output(req)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others' messages
+            self.fail(req.rid, exc, "output")
+            self.scheduler.forget_update(req.rid)  # this is its last message
+            self._requests.pop(req.rid, None)
+            self._timing.pop(req.rid, None)
+            reason = error_reason(exc) if req.finish_reason is None or req.finish_reason.kind != "error" \
+                else req.finish_reason
+            req.finish_reason = reason
+            return RequestOutput(req.rid, [], True, reason.to_json(), None, None,
+                                 {"prompt_tokens": req.prompt_len, "completion_tokens": 0})
 
     def _output(self, req: Request) -> RequestOutput:
         ids = req.output_ids()
@@ -317,15 +403,14 @@ class EngineCore:
                                "seconds": g.seconds}
         return meta
 
-    # ---- likelihoods (engine/likelihood.py) ----------------------------------------------------------
-    def score_variants(self, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
-                       max_tokens: int | None = None) -> list[list[tuple[float, list[tuple[int, float]]]]]:
-        """Run masked variants of blocks (likelihood.Variant: block k of a sequence, some positions masked,
-        attending the clean blocks before it and itself) and read log-probabilities at their targets. The clean
+    # ---- likelihoods (engine/likelihood.py, engine/scoring.py) --------------------------------------------
+    def new_score_job(self, token: str, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
+                      max_tokens: int | None = None) -> ScoreJob:
+        """A started likelihood job: masked variants of blocks (likelihood.Variant: block k of a sequence, some
+        positions masked, attending the clean blocks before it and itself), read at their targets. The clean
         prefixes come from the radix cache where it has them, are computed block-causally (and cached) where
-        not; each variant writes its own K/V to a scratch page, freed after. Runs between decode iterations.
-        RequestRejected (503) when the KV cache cannot hold the work now."""
-        b, mask = BLOCK_SIZE, self.tokenizer.mask_token_id
+        not; each variant writes its own K/V to a scratch page, freed after. RequestRejected when the input is
+        invalid, and (503) when the KV cache cannot hold the work now."""
         vocab = self.model_config.vocab_size
         for seq in sequences:
             if not seq or any(not isinstance(t, int) or not 0 <= t < vocab for t in seq):
@@ -333,58 +418,94 @@ class EngineCore:
             if len(seq) > self.max_model_len:
                 raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens; the text "
                                       f"has {len(seq)}", code="context_length_exceeded", param="input_ids")
-        need = [max((v.block for v in variants if v.seq == i), default=0) for i in range(len(sequences))]
-        sched = self.scheduler
-        leases = []
+        if len(variants) > MAX_SCORE_VARIANTS:
+            raise RequestRejected(f"this request needs {len(variants)} block forwards; at most {MAX_SCORE_VARIANTS}",
+                                  param="variants")
+        budget = max_tokens or min(self.args.chunked_prefill_size,
+                                   CHUNK_TOKENS.get(torch.device(self.args.device).type, CHUNK_TOKENS["cuda"]))
+        job = ScoreJob(token, sequences, variants, top_k, budget, BLOCK_SIZE, self.tokenizer.mask_token_id,
+                       RequestRejected)
         try:
-            for seq, k in zip(sequences, need):
-                lease = sched.lease_prefix(seq[: k * b])
-                if lease is None:
+            job.start(self.scheduler)
+        except BaseException:
+            job.release(self.scheduler)  # the prefixes leased before the one that did not fit
+            raise
+        return job
+
+    def add_score_job(self, token: str, sequences: list[list[int]], variants: list[Any], top_k: int = 0) -> None:
+        """Queue a likelihood job; the loop advances it one chunk per step, between decoding iterations, and
+        its ScoreResult comes out of take_score_results. RequestRejected as in new_score_job."""
+        if token in self._jobs:
+            raise RequestRejected(f"score job {token!r} is already running", code="duplicate_request_id")
+        self._jobs[token] = self.new_score_job(token, sequences, variants, top_k)
+
+    def cancel_score(self, token: str) -> bool:
+        """Drop a likelihood job (its client left): its leased pages are released now. Idempotent."""
+        job = self._jobs.pop(token, None)
+        if job is None:
+            return False
+        job.release(self.scheduler)
+        log.info("score job %s cancelled after %d chunks", token, job.chunks_run)
+        return True
+
+    def take_score_results(self) -> list[ScoreResult]:
+        out, self._score_results = self._score_results, []
+        return out
+
+    def _advance_scoring(self, decoding: bool) -> None:
+        """One chunk of the oldest job, which then goes to the back of the line (round-robin: a small echo
+        request does not wait behind a large /score). While requests decode (`decoding`: this iteration ran a
+        forward), only within scoring's share of the time (scoring.TimeShare). A job that fails ends alone with
+        an error result."""
+        if not self._jobs or not self._score_share.may_run(decoding):
+            return
+        token, job = next(iter(self._jobs.items()))
+        del self._jobs[token]
+        t0 = time.monotonic()
+        try:
+            self.faults.check("score", token)
+            done = job.advance(self.scheduler, self.runner)
+            self._score_share.scored(time.monotonic() - t0, decoding)
+        except RequestRejected as exc:
+            job.release(self.scheduler)
+            self._score_results.append(ScoreResult(token, None, exc.status, str(exc), exc.code, exc.param))
+            return
+        except Exception as exc:  # noqa: BLE001 - one job's failure must not stop the loop
+            log.error("score job %s failed: %s", token, describe(exc))
+            log.debug("score job %s failed", token, exc_info=True)
+            job.release(self.scheduler)
+            self._score_results.append(ScoreResult(token, None, 500, f"scoring failed: {describe(exc)}",
+                                                   "internal_error"))
+            return
+        if done:
+            job.release(self.scheduler)
+            self._score_results.append(ScoreResult(token, job.results))
+        else:
+            self._jobs[token] = job  # to the back of the line
+
+    def score_variants(self, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
+                       max_tokens: int | None = None) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        """A likelihood job run to its end at once (the offline Engine): per variant, (logprob, top
+        alternatives) at each target. RequestRejected as in new_score_job."""
+        job = self.new_score_job("offline", sequences, variants, top_k, max_tokens)
+        try:
+            while True:
+                before = job.chunks_run
+                if job.advance(self.scheduler, self.runner):
+                    break
+                if job.chunks_run == before:  # no scratch page (requests hold them): nothing frees one here
                     raise RequestRejected("the KV cache is full: try again", status=503, code="cache_full")
-                leases.append(lease)
-            # 1) the clean prefixes the cache did not have: block-causal prefill (their K/V then enter the tree)
-            todo = [(seq[lease.cached * b : len(lease.tokens)], lease.cached * b, lease.pages)
-                    for seq, lease in zip(sequences, leases) if len(lease.tokens) > lease.cached * b]
-            budget = max_tokens or self.args.chunked_prefill_size
-            for chunk in _chunks(todo, budget, lambda q: len(q[0])):
-                self.runner.query_logprobs(chunk, [[] for _ in chunk])
-            # 2) the variants, each on a scratch page of its own
-            results: list = [None] * len(variants)
-            order = list(range(len(variants)))
-            for chunk in _chunks(order, budget, lambda i: b):
-                pages = sched.alloc_scratch(len(chunk))
-                if pages is None:
-                    raise RequestRejected("the KV cache is full: try again", status=503, code="cache_full")
-                try:
-                    queries, reads = [], []
-                    for i, page in zip(chunk, pages):
-                        v = variants[i]
-                        seq, start = sequences[v.seq], v.block * b
-                        ids = seq[start : start + b]
-                        masked = set(v.masked)
-                        # a whole block, past the text's end padded with MASK (as a block being decoded is), so a
-                        # value never depends on what follows
-                        ids = [mask if start + j in masked else t for j, t in enumerate(ids)] + [mask] * (b - len(ids))
-                        queries.append((ids, start, leases[v.seq].pages[: v.block] + [page]))
-                        reads.append([(p - start, seq[p]) for p in v.targets])
-                    for i, row in zip(chunk, self.runner.query_logprobs(queries, reads, top_k)):
-                        results[i] = row
-                finally:
-                    sched.free_scratch(pages)
-            for lease in leases:
-                sched.release_prefix(lease, computed=True)
-            leases = []
-            return results
         finally:
-            for lease in leases:
-                sched.release_prefix(lease, computed=False)
+            job.release(self.scheduler)
+        return job.results
 
     # ---- service -------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
     def stats(self) -> dict[str, Any]:
-        return self.scheduler.stats()
+        return {**self.scheduler.stats(), "num_score_jobs": len(self._jobs),
+                "num_request_failures": self.num_request_failures}
 
     def info(self) -> dict[str, Any]:
         """What the HTTP process shows about this engine (/get_server_info, /v1/models, startup log)."""
@@ -406,6 +527,8 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        for token in list(self._jobs):
+            self.cancel_score(token)
         for rid in list(self._requests):
             self.scheduler.abort(rid)
         self.scheduler.drain_updates()
@@ -422,16 +545,3 @@ def _with_seed(params: Any, seed: int) -> Any:
 
     return replace(params, seed=seed)
 
-
-def _chunks(items: list, budget: int, cost: Any) -> list[list]:
-    """Consecutive groups of `items` whose summed cost stays within `budget` (at least one item each)."""
-    out: list[list] = [[]]
-    used = 0
-    for item in items:
-        c = cost(item)
-        if out[-1] and used + c > budget:
-            out.append([])
-            used = 0
-        out[-1].append(item)
-        used += c
-    return [g for g in out if g]

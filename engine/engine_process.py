@@ -1,8 +1,10 @@
 """The engine process: an `EngineCore` in a loop, fed by the HTTP process over ZMQ.
 
-Each iteration: take every pending message (new requests, aborts, flushes, pings), run one core step (one
-forward for the whole batch), then send back one list: acceptances, rejections, and what each request
-committed since its last message. Idle, it blocks on the socket instead of spinning. It exits on ShutdownReq,
+Each iteration: take every pending message (new requests, aborts, flushes, pings, likelihood jobs), run one
+core step (one forward for the whole batch, and a bounded chunk of likelihood work), then send back one list:
+acceptances, rejections, what each request committed since its last message, finished likelihood jobs. A failure
+that concerns one request ends that request (an error finish, a 500 for that message), never this loop.
+Idle, it blocks on the socket instead of spinning. It exits on ShutdownReq,
 or by itself when its parent process is gone, so no orphan is ever left behind.
 """
 
@@ -18,7 +20,7 @@ import zmq
 
 from redraft.protocol.messages import (
     AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong, Rejected,
-    ScoreReq, ScoreResult, ShutdownReq,
+    ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
 )
 from redraft.protocol.server_args import ServerArgs
 
@@ -75,9 +77,12 @@ class EngineLoop:
                 log.warning("parent process is gone: exiting")
                 return
             self._drain_messages(block_ms=0 if self.core.has_work() else 100)
+            # A failure of one request ends that request (an error finish) inside step; what escapes is the
+            # engine's own fault, and ends this process.
             for out in self.core.step():
                 self._tokens_since_log += len(out.new_ids)
                 self.outbox.append(out)
+            self.outbox.extend(self.core.take_score_results())
             if self.outbox:
                 self.send.send_pyobj(self.outbox)
                 self.outbox = []
@@ -91,7 +96,23 @@ class EngineLoop:
                 msg = self.recv.recv_pyobj(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(msg)
+            try:
+                self._handle(msg)
+            except Exception as exc:  # noqa: BLE001 - one message's failure must not end the loop
+                self._handle_failed(msg, exc)
+
+    def _handle_failed(self, msg: Any, exc: Exception) -> None:
+        """An unexpected failure handling one message: answered as a 500 for that message alone."""
+        name = getattr(msg, "rid", None) or getattr(msg, "token", None)
+        from redraft.scheduler.scheduler import describe
+
+        log.error("handling %s %s failed: %s", type(msg).__name__, name, describe(exc))
+        log.debug("handling %s %s failed", type(msg).__name__, name, exc_info=True)
+        text = f"internal error: {describe(exc)}"
+        if isinstance(msg, GenerateReq):
+            self.outbox.append(Rejected(msg.rid, 500, text, "internal_error"))
+        elif isinstance(msg, ScoreReq):
+            self.outbox.append(ScoreResult(msg.token, None, 500, text, "internal_error"))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):
@@ -101,12 +122,13 @@ class EngineLoop:
                 self.outbox.append(Rejected(msg.rid, exc.status, str(exc), exc.code, exc.param))
         elif isinstance(msg, AbortReq):
             self.core.abort(msg.rid, msg.finish, msg.keep_tokens)
-        elif isinstance(msg, ScoreReq):
+        elif isinstance(msg, ScoreReq):  # a job: advanced one chunk per iteration (core.step), its result later
             try:
-                self.outbox.append(ScoreResult(msg.token, self.core.score_variants(msg.sequences, msg.variants,
-                                                                                    msg.top_k)))
+                self.core.add_score_job(msg.token, msg.sequences, msg.variants, msg.top_k)
             except self._rejected_type as exc:
                 self.outbox.append(ScoreResult(msg.token, None, exc.status, str(exc), exc.code, exc.param))
+        elif isinstance(msg, ScoreAbortReq):
+            self.core.cancel_score(msg.token)
         elif isinstance(msg, FlushCacheReq):
             ok = self.core.flush_cache()
             text = "" if ok else "cannot flush the cache while requests are running"

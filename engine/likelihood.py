@@ -24,10 +24,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 _MASK32 = 0xFFFFFFFF
 MAX_EXACT_BLOCK = 8  # response tokens per block the `exact` estimator enumerates (2^8 - 1 masks)
+# Variants (block forwards of 32 tokens) one likelihood request may need: /score's plan, or the prompt
+# log-probabilities of all the prompts of one echo / input-logprobs request. The engine runs them in bounded
+# chunks between decoding iterations, so this bounds how long one request occupies a share of the engine.
+MAX_VARIANTS = 65536
 
 
 def _mix32(x: int) -> int:
@@ -49,9 +53,36 @@ def uniform(seed: int, position: int, step: int) -> float:
     return ((hi >> 5) * 67108864.0 + (lo >> 6)) / 9007199254740992.0
 
 
-@dataclass
-class Variant:
-    """Block `block` of sequence `seq`, `masked` positions (absolute) replaced by MASK; read at `targets`."""
+def _mix32_np(x):
+    """_mix32 over a uint32 numpy array (multiplication wraps mod 2^32, as the `& _MASK32` does)."""
+    import numpy as np
+
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x46C8A68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def uniform_grid(seed: int, positions: Sequence[int], steps: int) -> list[list[float]]:
+    """[uniform(seed, p, n) for p in positions] for each n in range(steps), vectorised (a maximal /score plan
+    needs millions of values: seconds one by one). Positions are non-negative."""
+    import numpy as np
+
+    s = seed & (2**64 - 1)
+    base = _mix32(_mix32(s ^ 0x1B873593) ^ (s >> 32))
+    with np.errstate(over="ignore"):
+        xp = _mix32_np(np.uint32(base) ^ np.array([p & _MASK32 for p in positions], dtype=np.uint32))  # [P]
+        ks = np.array([(n * 0x2545F491) & _MASK32 for n in range(steps)], dtype=np.uint32)  # [N]
+        x = _mix32_np(xp[None, :] ^ ks[:, None])  # [N, P]
+        hi, lo = _mix32_np(x ^ np.uint32(0x68E31DA4)), _mix32_np(x ^ np.uint32(0x1B56C4E9))
+    u = ((hi >> np.uint32(5)).astype(np.float64) * 67108864.0 + (lo >> np.uint32(6))) / 9007199254740992.0
+    return u.tolist()
+
+
+class Variant(NamedTuple):
+    """Block `block` of sequence `seq`, `masked` positions (absolute) replaced by MASK; read at `targets`. (A named
+    tuple: a maximal request has 65,536 of them, pickled to the engine five times faster than a dataclass.)"""
 
     seq: int
     block: int
@@ -162,18 +193,21 @@ def elbo_plan(items: Sequence[tuple[int, int]], *, estimator: str, num_timesteps
                         terms.append(Term(l, l / size, 1.0 / (size * len(subsets)), b, size / l, len(plan.variants)))
                         plan.variants.append(Variant(seq, b, m, m))
         elif estimator == "elbo":
+            grids = {}  # block -> its response positions and, per timestep, their uniform values
+            for b in blocks_of(prompt_len, total, block_size):
+                resp = [p for p in range(b * block_size, min((b + 1) * block_size, total)) if p >= prompt_len]
+                grids[b] = (resp, uniform_grid(seed, resp, num_timesteps))
             for n, (t, w) in enumerate(timesteps(num_timesteps, timestep_rule, seed)):
-                for b in blocks_of(prompt_len, total, block_size):
-                    resp = [p for p in range(b * block_size, min((b + 1) * block_size, total)) if p >= prompt_len]
-                    u = {p: uniform(seed, p, n) for p in resp}
+                for b, (resp, grid) in grids.items():
+                    un = grid[n]  # u of resp[j] at timestep n: un[j]
                     if masking == "bernoulli":
-                        masks = [(tuple(p for p in resp if u[p] < t), 1.0 / t, 1.0)]
+                        masks = [(tuple(p for p, x in zip(resp, un) if x < t), 1.0 / t, 1.0)]
                     elif masking == "count":
                         l = min(len(resp), max(1, round(t * len(resp))))
-                        masks = [(tuple(sorted(sorted(resp, key=lambda p: (u[p], p))[:l])), len(resp) / l, 1.0)]
+                        masks = [(tuple(sorted(p for _, p in sorted(zip(un, resp))[:l])), len(resp) / l, 1.0)]
                     elif masking == "complementary":
-                        m = tuple(p for p in resp if u[p] < t)
-                        rest = tuple(p for p in resp if u[p] >= t)
+                        m = tuple(p for p, x in zip(resp, un) if x < t)
+                        rest = tuple(p for p, x in zip(resp, un) if x >= t)
                         masks = [(m, 1.0 / t, 0.5)] + ([(rest, 1.0 / (1.0 - t), 0.5)] if t < 1.0 else [])
                     else:
                         raise ValueError(f"masking must be bernoulli, count or complementary, not {masking!r}")
@@ -184,6 +218,18 @@ def elbo_plan(items: Sequence[tuple[int, int]], *, estimator: str, num_timesteps
             raise ValueError(f"estimator must be elbo, staircase or exact, not {estimator!r}")
         plan.terms.append(terms)
     return plan
+
+
+def min_variants(items: Sequence[tuple[int, int]], *, estimator: str, num_timesteps: int = 1,
+                 block_size: int = 32) -> int:
+    """A lower bound on the variants `elbo_plan` makes for these items (exact but for complementary masking, which
+    may double it), cheap to compute: a request over the cap is refused before its plan is built."""
+    blocks = [len(blocks_of(p, t, block_size)) for p, t in items]
+    if estimator == "staircase":
+        return sum(t - p for p, t in items)
+    if estimator == "elbo":
+        return num_timesteps * sum(blocks)
+    return sum(blocks)
 
 
 def fill_terms(plan: Plan, logprobs: Sequence[Sequence[float]]) -> list[dict]:

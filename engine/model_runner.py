@@ -20,6 +20,7 @@ import torch
 from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
 from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, joint_threshold_step
+from redraft.engine.faults import NO_FAULTS, FaultInjector
 from redraft.engine.logit_controls import LogitControls
 from redraft.engine.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
@@ -85,12 +86,12 @@ class SlotState:
         self.top_k = torch.zeros(s, dtype=torch.long, device=device)
         self.top_p = torch.ones(s, dtype=torch.float64, device=device)
         self.seed = torch.zeros(s, dtype=torch.long, device=device)
-        self._owner: list[tuple[str, int] | None] = [None] * s  # (rid, block_version) each row was loaded for
+        self._owner: list[tuple[int, int] | None] = [None] * s  # (Request.uid, block_version) each row was loaded for
 
     def load(self, reqs: list[Request]) -> torch.Tensor:
         """Rows of these requests, (re)loaded where a block began since; returns their slot ids [N]."""
         for r in reqs:
-            if self._owner[r.slot] != (r.rid, r.block_version):
+            if self._owner[r.slot] != (r.uid, r.block_version):
                 self._load_row(r)
         return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.tokens.device)
 
@@ -108,7 +109,14 @@ class SlotState:
         self.threshold[i], self.edit_threshold[i] = p.threshold, p.edit_threshold
         self.temperature[i], self.top_k[i], self.top_p[i] = p.temperature, p.top_k, p.top_p
         self.seed[i] = p.seed or 0
-        self._owner[i] = (r.rid, r.block_version)
+        self._owner[i] = (r.uid, r.block_version)
+
+    def forget(self, reqs: list[Request]) -> None:
+        """Reload these requests' rows from the requests on their next step (a step that failed half-way may
+        have advanced them)."""
+        for r in reqs:
+            if r.slot >= 0:
+                self._owner[r.slot] = None
 
     def sampling(self, slots: torch.Tensor, width: int) -> SamplingBatch:
         ar = torch.arange(width, device=slots.device)
@@ -144,6 +152,7 @@ class ModelRunner:
         self.grammar_seconds = 0.0  # host time in structured output's sweeps (engine/constrained.py), in total
         self._bit_index = torch.arange(8, dtype=torch.uint8, device=self.device)
         self.graph_error: str | None = None  # why capture failed (the step then runs eagerly)
+        self.faults: FaultInjector = NO_FAULTS  # tests only (engine/faults.py)
         if cuda_graph_max_bs > 0:
             if self.device.type != "cuda" or model.kernel_backend != "triton":
                 raise ValueError("CUDA graphs need device='cuda' and kernel_backend='triton'")
@@ -164,13 +173,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, items: list[WorkItem]) -> StepOutput:
-        """One forward over every item's window, then the decoding step for the items that decode."""
+        """One forward over every item's window, then the decoding step for the items that decode.
+
+        A per-request stage (structured output's block start and sweep, logit controls) that raises ends only
+        that request: its rid and exception go to `StepOutput.failed` (its row's results are then meaningless and
+        the engine ends it before `update`). An exception from the batch itself (the forward) propagates."""
         b = self.block_size
+        failed: dict[str, tuple[str, BaseException]] = {}
         for it in items:  # structured output: a block that (re)begins starts with what its grammar forces
             c: Constraint | None = it.req.constraint  # type: ignore[assignment]
             if c is not None and it.decodes and c.version != it.req.block_version:
-                c.begin_block(it.req.tokens, it.req.active_block * b, (it.req.active_block + 1) * b)
-                c.version = it.req.block_version
+                self._guard(failed, it.req, "begin_block", self._begin_block, it.req, c, b)
+        self.faults.check_any("forward", [it.req.rid for it in items])
         batch = build_forward_batch(items, self.block_size)
         if self.graphs is not None and self.graphs.can_run(items):
             logits = self.graphs.run(batch)  # [N, B, V]: every item decodes its one active block
@@ -178,18 +192,21 @@ class ModelRunner:
         else:
             logits, decoding = self._forward_eager(items, batch)
             if not decoding:
-                return StepOutput()
+                return StepOutput(failed=failed)
         exclude_mask_(logits, self.mask_id)  # our scratch: the step and the logprobs both read it this way
         reqs = [items[i].req for i in decoding]
         slots = self.slots.load(reqs)
         lens = [r.window_size * self.block_size for r in reqs]  # each window's positions
         if any(r.params.has_logit_controls for r in reqs):
-            self.controls.apply(logits, reqs, self.slots.tokens[slots, : logits.shape[1]], self.mask_id)
-        constrained = [i for i, r in enumerate(reqs) if r.constraint is not None]
+            window = self.slots.tokens[slots, : logits.shape[1]]
+            for i, r in enumerate(reqs):  # one request at a time, so that a failure is that request's alone
+                if r.params.has_logit_controls and r.rid not in failed:
+                    self._guard(failed, r, "controls", self._controls, logits, window, i, r)
+        constrained = [i for i, r in enumerate(reqs) if r.constraint is not None and r.rid not in failed]
         before = self.slots.tokens[slots, : logits.shape[1]].clone() if constrained else None  # [N, L]
         result = self._step(logits, slots, reqs)
         if constrained:
-            self._constrain(logits, slots, reqs, constrained, before, result, lens)
+            self._constrain(logits, slots, reqs, constrained, before, result, lens, failed)
         # T2T edits in blocks before the active one (the last block of each window): multi-block edits
         before_active = torch.arange(logits.shape[1], device=self.device)[None, :] < \
             torch.tensor(lens, device=self.device)[:, None] - self.block_size
@@ -203,7 +220,25 @@ class ModelRunner:
         wants = [r.params.wants_logprobs for r in reqs]
         if any(wants):
             self._logprobs(logits, result.tokens, reqs, wants, lens, out)
+        out.failed = failed
         return out
+
+    def _guard(self, failed: dict[str, tuple[str, BaseException]], req: Request, stage: str, fn, *args) -> None:
+        """One request's share of a stage; an exception is recorded as that request's failure (EngineCore logs
+        it and ends that request with an error finish)."""
+        try:
+            self.faults.check(stage, req.rid)
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - ends this request only
+            failed[req.rid] = (stage, exc)
+
+    @staticmethod
+    def _begin_block(req: Request, c: Constraint, b: int) -> None:
+        c.begin_block(req.tokens, req.active_block * b, (req.active_block + 1) * b)
+        c.version = req.block_version
+
+    def _controls(self, logits: torch.Tensor, window: torch.Tensor, i: int, r: Request) -> None:
+        self.controls.apply(logits[i : i + 1], [r], window[i : i + 1], self.mask_id)
 
     def _forward_eager(self, items: list[WorkItem], batch: ForwardBatch) -> tuple[torch.Tensor | None, list[int]]:
         """Any batch; logits [N, L, V] of the decoding items' open windows (L: the longest; shorter windows
@@ -233,7 +268,8 @@ class ModelRunner:
         return result
 
     def _constrain(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request], rows: list[int],
-                   before: torch.Tensor, result: StepResult, lens: list[int]) -> None:
+                   before: torch.Tensor, result: StepResult, lens: list[int],
+                   failed: dict[str, tuple[str, BaseException]]) -> None:
         """Structured output: each constrained row's window goes through its grammar's frontier sweep
         (engine/constrained.py), in place in `result` and the slot state. Reads only the row's own logits."""
         t0 = time.perf_counter()
@@ -243,11 +279,13 @@ class ModelRunner:
         for j, i in enumerate(rows):
             r, n = reqs[i], lens[i]
             c: Constraint = r.constraint  # type: ignore[assignment]
-            fixed = c.sweep(r.window_start * b, before_rows[j][:n], after_rows[j][:n], self.mask_id,
-                            lambda pos, row=i: self._candidates(logits[row, pos]), r.params.threshold,
-                            lambda pos, bitmask, row=i: self._masked_argmax(logits[row, pos], bitmask))
-            if fixed != after_rows[j][:n]:
-                result.tokens[i, :n] = torch.tensor(fixed, device=self.device)
+            fixed: list[list[int]] = []
+            self._guard(failed, r, "sweep", lambda: fixed.append(c.sweep(
+                r.window_start * b, before_rows[j][:n], after_rows[j][:n], self.mask_id,
+                lambda pos, row=i: self._candidates(logits[row, pos]), r.params.threshold,
+                lambda pos, bitmask, row=i: self._masked_argmax(logits[row, pos], bitmask))))
+            if fixed and fixed[0] != after_rows[j][:n]:
+                result.tokens[i, :n] = torch.tensor(fixed[0], device=self.device)
         # the counts of the changed rows, as joint_threshold_step defines them
         masked = before[idx] == self.mask_id
         placed = result.tokens[idx] != self.mask_id

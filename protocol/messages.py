@@ -1,6 +1,6 @@
 """Typed messages between the HTTP process and the engine process (pickled over ZMQ). Torch-free.
 
-HTTP -> engine: GenerateReq, AbortReq, ScoreReq, FlushCacheReq, PingReq, ShutdownReq.
+HTTP -> engine: GenerateReq, AbortReq, ScoreReq, ScoreAbortReq, FlushCacheReq, PingReq, ShutdownReq.
 engine -> HTTP: EngineReady or EngineFailed once at start-up, then one list per iteration of Accepted /
 Rejected / RequestOutput / ScoreResult / FlushCacheResult / Pong.
 
@@ -39,8 +39,15 @@ class ScoreReq:
 
     token: str
     sequences: list[list[int]]
-    variants: list[Any]  # likelihood.Variant
+    variants: list[Any]  # likelihood.Variant, or its plain tuple (seq, block, masked, targets)
     top_k: int = 0
+
+
+@dataclass
+class ScoreAbortReq:
+    """Drop a likelihood job (its client left): its pages are released at once, no ScoreResult follows."""
+
+    token: str
 
 
 @dataclass
@@ -95,6 +102,9 @@ class Rejected:
 @dataclass
 class RequestOutput:
     """What one request committed since its previous message, and its finish.
+
+    finish_reason: {"type": "stop" | "length" | "abort" | "error", ...}; "error" (with "message") when a failure
+                   inside the engine ended this request alone (the others run on)
 
     new_ids:      output tokens of the blocks committed since the last message (cut to max_new_tokens and
                   through the first EOS/stop token on the last one)

@@ -23,9 +23,12 @@ block-causal), then the open window, in one pass.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field, replace
 
 from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams
+
+_UIDS = itertools.count()
 
 
 class Status(enum.Enum):
@@ -36,7 +39,7 @@ class Status(enum.Enum):
 
 @dataclass
 class FinishReason:
-    kind: str  # "stop" | "length" | "abort"
+    kind: str  # "stop" | "length" | "abort" | "error" (a failure inside the engine ended this request alone)
     matched: int | str | None = None  # the EOS / stop token id or stop string that ended it
     message: str | None = None
 
@@ -101,6 +104,9 @@ class Request:
     # the runner to reload that row.
     slot: int = -1
     block_version: int = 0
+    # Unique per Request object (a rid may be reused once its request ended): the runner's per-slot rows are keyed
+    # by (uid, block_version), so a new request on a freed slot never inherits a stale row.
+    uid: int = field(default_factory=lambda: next(_UIDS))
     # Multi-block editing: the first block of the open window, the window's earlier blocks as they were when
     # the active block began (a preempted request resumes from them), the block to resume at, and the
     # logprobs of the window's blocks from the latest forward (they become final when a block commits).

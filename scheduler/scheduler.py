@@ -15,12 +15,27 @@ their prefill, generated blocks as they are committed), so the next turn of a ch
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.scheduler.page_pool import PagePool
 from redraft.scheduler.radix_cache import RadixCache
 from redraft.scheduler.request import FinishReason, Request, Status
+
+log = logging.getLogger("redraft.scheduler")
+
+
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """An exception in one short line (a grammar library's message may carry a page of parser state)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def error_reason(exc: BaseException) -> FinishReason:
+    """The finish of a request that a failure inside the engine ended (that request alone)."""
+    return FinishReason("error", message=describe(exc))
 
 
 @dataclass
@@ -85,6 +100,9 @@ class StepOutput:
     # token after the step, and the top alternatives [(token, logprob), ...] at each position.
     logprobs: list[list[float] | None] = field(default_factory=list)
     top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
+    # rid -> (stage, exception) of a per-request stage of the step that raised (grammar, logit controls): the
+    # engine ends those requests with an error finish before `update`, which then skips them.
+    failed: dict[str, tuple[str, BaseException]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -97,6 +115,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._free_slots = list(range(config.max_running_requests - 1, -1, -1))  # the model runner's rows
         self.num_preemptions = 0
+        self.fault_hook = None  # tests only: fault_hook(stage, rid) may raise (engine/faults.py)
+        self.num_leases = 0  # scoring leases not yet released (they may hold the pages a request waits for)
         # Requests whose committed output changed or that finished since the last drain.
         self._updated: dict[str, Request] = {}
 
@@ -128,6 +148,28 @@ class Scheduler:
                     return True
         return False
 
+    def fail(self, rid: str, exc: BaseException) -> bool:
+        """End a request with an error finish (a failure inside the engine that concerns it alone); its pages
+        are released at once. Idempotent like `abort`."""
+        return self.abort(rid, error_reason(exc))
+
+    def forget_update(self, rid: str) -> None:
+        """Drop a pending update (its request's last message was already built)."""
+        self._updated.pop(rid, None)
+
+    def _guarded(self, req: Request, stage: str, fn, *args):
+        """Run one request's share of a stage; an exception ends that request alone (error finish)."""
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(stage, req.rid)
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the batch
+            log.error("request %s failed in %s: %s", req.rid, stage, describe(exc))
+            log.debug("request %s failed in %s", req.rid, stage, exc_info=True)
+            if not req.finished:
+                self._finish(req, error_reason(exc))
+            return None
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -143,29 +185,33 @@ class Scheduler:
     # ---- one iteration ----------------------------------------------------------------------------
     def schedule(self) -> list[WorkItem]:
         for req in list(self.running):
-            while not req.finished and not req.pre_forward():
-                self._end_block(req)
+            self._guarded(req, "pre_forward", self._pre_forward, req)
         self._grow_running()
         self._admit()
         return self._build_batch()
+
+    def _pre_forward(self, req: Request) -> None:
+        while not req.finished and not req.pre_forward():
+            self._end_block(req)
 
     def update(self, items: list[WorkItem], out: StepOutput) -> None:
         decoding = [it for it in items if it.decodes]
         for it in items:
             if not it.decodes and not it.req.finished:
-                it.req.mark_prefilled(it.last)
+                self._guarded(it.req, "prefill", it.req.mark_prefilled, it.last)
         for i, it in enumerate(decoding):
-            req = it.req
-            if req.finished:  # aborted while the forward ran
-                continue
-            if out.logprobs and out.logprobs[i] is not None:
-                req.set_window_logprobs(out.logprobs[i], out.top_logprobs[i])
-            mbe = out.mbe_edits[i] if out.mbe_edits else 0
-            if req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe):
-                self._end_block(req)
+            if not it.req.finished:  # (else aborted or failed while the forward ran)
+                self._guarded(it.req, "update", self._apply, it.req, out, i)
         for it in items:
             if not it.req.finished:
                 self._cache_exact_blocks(it.req)
+
+    def _apply(self, req: Request, out: StepOutput, i: int) -> None:
+        if out.logprobs and out.logprobs[i] is not None:
+            req.set_window_logprobs(out.logprobs[i], out.top_logprobs[i])
+        mbe = out.mbe_edits[i] if out.mbe_edits else 0
+        if req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe):
+            self._end_block(req)
 
     # ---- internals --------------------------------------------------------------------------------
     def _end_block(self, req: Request) -> None:
@@ -255,7 +301,7 @@ class Scheduler:
             if pages is None:
                 if match is not None:
                     self.cache.dec_lock(match.last_node)
-                if not self.running:
+                if not self.running and not self.num_leases:
                     raise RuntimeError("KV cache too small to admit a single request")
                 break
             self.waiting.remove(req)
@@ -311,6 +357,7 @@ class Scheduler:
             if match is not None:
                 self.cache.dec_lock(match.last_node)
             return None
+        self.num_leases += 1
         return PrefixLease(tokens, (match.pages if match else []) + fresh, cached, match.last_node if match else None)
 
     def release_prefix(self, lease: PrefixLease, computed: bool) -> None:
@@ -322,6 +369,7 @@ class Scheduler:
             self.pool.free(fresh)
         if lease.node is not None:
             self.cache.dec_lock(lease.node)
+        self.num_leases -= 1
 
     def alloc_scratch(self, n: int) -> list[int] | None:
         """`n` pages for one forward's throw-away K/V (free them with free_scratch)."""

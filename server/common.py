@@ -154,8 +154,9 @@ class Update:
 
     @property
     def aborted(self) -> bool:
-        """Ended by the server (an admin's /abort_request), not by the model or the length."""
-        return self.finished and (self.finish_reason or {}).get("type") == "abort"
+        """Ended by the server (an admin's /abort_request) or by a failure in the engine that ended this request
+        alone (an error finish), not by the model or the length."""
+        return self.finished and (self.finish_reason or {}).get("type") in ("abort", "error")
 
 
 class ChoiceStream:

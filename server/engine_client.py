@@ -25,7 +25,7 @@ import zmq.asyncio
 from redraft.engine.engine_process import run_engine_process
 from redraft.protocol.messages import (
     Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong,
-    Rejected, RequestOutput, ScoreReq, ScoreResult, ShutdownReq,
+    Rejected, RequestOutput, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
 )
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.protocol.server_args import ServerArgs
@@ -71,6 +71,7 @@ class EngineClient:
         self._pending: dict[str, _Pending] = {}
         self._waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        self._aborts: set[asyncio.Task] = set()  # score aborts in flight (a reference keeps each task alive)
         self._ipc_dir = tempfile.mkdtemp(prefix="redraft-")
         self._to_engine_addr = f"ipc://{self._ipc_dir}/to-engine"
         self._from_engine_addr = f"ipc://{self._ipc_dir}/from-engine"
@@ -354,12 +355,28 @@ class EngineClient:
     async def flush_cache(self, timeout: float = 10.0) -> FlushCacheResult:
         return await self._request(FlushCacheReq(uuid.uuid4().hex), timeout)
 
-    async def score(self, sequences: list[list[int]], variants: list, top_k: int = 0, timeout: float = 600.0) -> list:
-        """Log-probabilities of masked variants (ScoreReq); EngineRejected when the engine refuses."""
-        res = await self._request(ScoreReq(uuid.uuid4().hex, sequences, variants, top_k), timeout)
+    async def score(self, sequences: list[list[int]], variants: list, top_k: int = 0, timeout: float = 3600.0) -> list:
+        """Log-probabilities of masked variants (ScoreReq); EngineRejected when the engine refuses. Cancelled
+        (the client left) or timed out, the engine drops the job and frees its pages at once."""
+        # variants as plain tuples: a maximal request's 65,536 pickle in a fifth of the time (the engine reads them
+        # positionally, as likelihood.Variant's fields)
+        msg = ScoreReq(uuid.uuid4().hex, sequences, [tuple(v) for v in variants], top_k)
+        try:
+            res = await self._request(msg, timeout)
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            self._abort_score(msg.token)
+            raise
         if res.results is None:
             raise EngineRejected(res.status, res.message, res.code or "invalid_request_error", res.param)
         return res.results
+
+    def _abort_score(self, token: str) -> None:
+        """Send ScoreAbortReq from a task of its own (the caller is being cancelled and must not wait)."""
+        if not self.alive:
+            return
+        task = asyncio.ensure_future(self._send_msg(ScoreAbortReq(token)))
+        self._aborts.add(task)
+        task.add_done_callback(lambda t: (self._aborts.discard(t), t.cancelled() or t.exception()))
 
     @property
     def num_in_flight(self) -> int:

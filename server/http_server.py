@@ -33,7 +33,8 @@ from redraft.server.common import (RETRY_AFTER, APIError, ChoiceStream, ServerSt
                                    check_model, client_rid, engine_error, engine_rid, error_response, run_all,
                                    run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.engine_client import EngineDead
-from redraft.server.likelihood_api import prompt_logprobs
+from redraft.server.likelihood_api import all_prompt_logprobs
+from redraft.server.openai_api import aborted_error
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.middleware import install_middleware
 from redraft.server.openai_protocol import MAX_JSON_DEPTH, reject_lone_surrogates, too_deep
@@ -278,8 +279,8 @@ def create_app(state: ServerState) -> FastAPI:
         if body.return_logprob and body.logprob_start_len >= 0:  # the prompt's staircase values
             if body.stream:
                 raise APIError(400, "input logprobs (logprob_start_len >= 0) need stream=false", param="stream")
-            input_lps = [await prompt_logprobs(state, ids, body.logprob_start_len, body.top_logprobs_num)
-                         for ids in prompts]
+            input_lps = await all_prompt_logprobs(state, request, prompts, body.logprob_start_len,
+                                                  body.top_logprobs_num, "logprob_start_len")
         if body.stream and len(prompts) != 1:
             raise APIError(400, "stream=true takes a single prompt", param="stream")
         base_rid = body.rid or uuid.uuid4().hex
@@ -292,6 +293,9 @@ def create_app(state: ServerState) -> FastAPI:
         if body.stream:
             return StreamingResponse(_native_sse(streams[0]), media_type="text/event-stream")
         outs = await run_until_disconnect(request, run_all(streams))
+        failed = next((o for o in outs if _error_finish(o)), None)
+        if failed is not None:  # a failure inside the engine ended it: a 500 naming the reason, never a 200
+            raise aborted_error(failed)
         results = [_native_payload(o, final=True) for o in outs]
         for res, ids, lps in zip(results, prompts, input_lps or []):
             res["meta_info"]["input_token_logprobs"] = [[e[0] if e else None, t, None] for t, e in zip(ids, lps)]
@@ -376,6 +380,10 @@ async def _native_prompts(state: ServerState, body: GenerateBody) -> list[list[i
     return [list(p) for p in prompts]
 
 
+def _error_finish(out: OutputStream) -> bool:
+    return (out.finish_reason or {}).get("type") == "error"
+
+
 def _native_payload(out: OutputStream, final: bool = False) -> dict:
     """SGLang's native shape: the text decided so far (all of it at the end), every output id, meta_info."""
     text = out.text if final else out.detok.released
@@ -387,6 +395,9 @@ async def _native_sse(stream: ChoiceStream) -> AsyncIterator[str]:
     try:
         async for _ in stream.updates():
             yield sse(_native_payload(stream.out, final=stream.out.finished))
+            if stream.out.finished and _error_finish(stream.out):  # its last chunk, then the error
+                yield sse_error(aborted_error(stream.out))
+                break
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - the status line is gone; report in the stream

@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from redraft.engine.likelihood import elbo_plan, fill_terms, staircase_values, staircase_variants
+from redraft.engine.likelihood import (
+    MAX_VARIANTS, elbo_plan, fill_terms, min_variants, staircase_values, staircase_variants,
+)
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.sampling_params import BLOCK_SIZE
-from redraft.server.common import APIError, ServerState, check_model, engine_error
+from redraft.server.common import APIError, ServerState, check_model, engine_error, run_until_disconnect
 from redraft.server.engine_client import EngineDead, EngineRejected
 from redraft.server.openai_protocol import reject_lone_surrogates, text_chars
 
@@ -30,7 +32,38 @@ async def prompt_logprobs(state: ServerState, ids: list[int], start: int, top_k:
         rows = await state.client.score([ids], variants, top_k) if variants else []
     except (EngineDead, EngineRejected) as exc:
         raise engine_error(exc, {"input_ids": "prompt"}) from exc
+    except asyncio.TimeoutError as exc:
+        raise _timed_out() from exc
     return staircase_values(len(ids), variants, rows)
+
+
+def _timed_out() -> APIError:
+    return APIError(503, "the likelihood work did not finish in time (the engine is busy): try again or send less",
+                    "server_error", code="timeout")
+
+
+def check_prompt_logprobs_budget(prompts: list[list[int]], start: int, param: str) -> None:
+    """A 400 naming `param` when the prompt log-probabilities of these prompts need more than MAX_VARIANTS block
+    forwards (one per prompt token from max(start, 1)), before any work."""
+    need = sum(max(0, len(ids) - max(1, start)) for ids in prompts)
+    if need > MAX_VARIANTS:
+        raise APIError(400, f"the prompt log-probabilities of this request need {need} block forwards (one per prompt "
+                            f"token after the start); at most {MAX_VARIANTS} per request: shorten or split the prompts",
+                       param=param)
+
+
+async def all_prompt_logprobs(state: ServerState, request: Request, prompts: list[list[int]], start: int,
+                              top_k: int | None, param: str) -> list[list]:
+    """`prompt_logprobs` of every prompt (rows of None where top_k is None: none asked), checked against the
+    per-request budget first, and dropped in the engine if the client leaves meanwhile."""
+    if top_k is None:
+        return [[None] * len(ids) for ids in prompts]
+    check_prompt_logprobs_budget(prompts, start, param)
+
+    async def run() -> list[list]:
+        return [await prompt_logprobs(state, ids, start, top_k) for ids in prompts]
+
+    return await run_until_disconnect(request, run())
 
 
 class Strict(BaseModel):
@@ -81,7 +114,7 @@ class DetokenizeBody(BaseModel):
 
 def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/score")
-    async def score(body: ScoreBody):
+    async def score(body: ScoreBody, request: Request):
         """Likelihood terms of (prompt, response) items: per (timestep, block) the sum of the masked tokens'
         log-probabilities and their count, and the weighted estimate (docs/likelihood.md)."""
         seqs, spans = [], []
@@ -93,20 +126,27 @@ def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
                 raise APIError(400, "prompt and response must each hold at least one token", param=f"items.{k}")
             seqs.append(list(p) + list(r))
             spans.append((len(p), len(p) + len(r)))
-        try:
-            plan = elbo_plan(spans, estimator=body.estimator, num_timesteps=body.num_timesteps,
-                             timestep_rule=body.timestep_rule, masking=body.masking, seed=body.seed,
-                             block_size=BLOCK_SIZE)
+        low = min_variants(spans, estimator=body.estimator, num_timesteps=body.num_timesteps, block_size=BLOCK_SIZE)
+        if low > MAX_VARIANTS:  # before planning: a maximal plan takes seconds of CPU
+            raise APIError(400, f"this request needs at least {low} block forwards; at most {MAX_VARIANTS}",
+                           param="num_timesteps")
+        try:  # off the event loop: planning the largest allowed request takes seconds
+            plan = await asyncio.to_thread(elbo_plan, spans, estimator=body.estimator,
+                                           num_timesteps=body.num_timesteps, timestep_rule=body.timestep_rule,
+                                           masking=body.masking, seed=body.seed, block_size=BLOCK_SIZE)
         except ValueError as exc:
             raise APIError(400, str(exc), param="estimator") from exc
-        if len(plan.variants) > 65536:
-            raise APIError(400, f"this request needs {len(plan.variants)} block forwards; at most 65536",
+        if len(plan.variants) > MAX_VARIANTS:
+            raise APIError(400, f"this request needs {len(plan.variants)} block forwards; at most {MAX_VARIANTS}",
                            param="num_timesteps")
-        try:
-            rows = await state.client.score(seqs, plan.variants) if plan.variants else []
+        try:  # a job the engine interleaves with decoding; dropped there at once if the client leaves
+            rows = await run_until_disconnect(request, state.client.score(seqs, plan.variants)) if plan.variants \
+                else []
         except (EngineDead, EngineRejected) as exc:
             raise engine_error(exc, {"input_ids": "items"}) from exc
-        results = fill_terms(plan, [[lp for lp, _ in row] for row in rows])
+        except asyncio.TimeoutError as exc:
+            raise _timed_out() from exc
+        results = await asyncio.to_thread(fill_terms, plan, [[lp for lp, _ in row] for row in rows])
         return {"object": "score", "model": state.model_name, "estimator": body.estimator,
                 "num_timesteps": body.num_timesteps, "timestep_rule": body.timestep_rule, "masking": body.masking,
                 "seed": body.seed, "block_size": BLOCK_SIZE, "results": results}

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
-from redraft.server.likelihood_api import prompt_logprobs
+from redraft.server.likelihood_api import all_prompt_logprobs
 from redraft.server.common import (APIError, ChoiceStream, ServerState, check_logit_bias_keys, check_model,
                                    engine_rid, merge_updates, run_all, run_until_disconnect, sse, sse_error,
                                    start_streams)
@@ -32,12 +32,25 @@ FINISH = {"stop": "stop", "length": "length"}  # OpenAI's values; an aborted req
 
 
 def aborted(out: OutputStream) -> bool:
-    """Ended by the server (an admin's /abort_request), not by the model or the length."""
-    return (out.finish_reason or {}).get("type") == "abort"
+    """Ended by the server (an admin's /abort_request, or a failure inside the engine that ended this request
+    alone: an error finish), not by the model or the length."""
+    return (out.finish_reason or {}).get("type") in ("abort", "error")
 
 
-def aborted_error() -> APIError:
+def aborted_error(finish: OutputStream | dict | None = None) -> APIError:
+    """The error of an aborted request; of an error finish (an output or its finish reason), a 500 naming the
+    engine's reason."""
+    reason = (finish.finish_reason if isinstance(finish, OutputStream) else finish) or {}
+    if reason.get("type") == "error":
+        return APIError(500, f"the request failed in the engine: {reason.get('message') or 'unknown error'}",
+                        "server_error", code="internal_error")
     return APIError(503, "the request was aborted by the server", "server_error", code="request_aborted")
+
+
+def first_aborted(outs: list) -> OutputStream | None:
+    """The first output ended by an error finish, else by an abort, else None."""
+    ended = [o for o in outs if o is not None and aborted(o)]
+    return next((o for o in ended if o.finish_reason.get("type") == "error"), ended[0] if ended else None)
 RESERVED_TEMPLATE_KWARGS = frozenset({"self", "template", "messages", "tools", "add_generation_prompt"})
 
 
@@ -291,8 +304,7 @@ def register_openai_routes(app: FastAPI, state: ServerState) -> None:
         fmt = CompletionFormatter(state, f"cmpl-{rid}", body, prompts)
         if body.echo:  # the prompt's own log-probabilities (staircase values), computed before generating
             start = 1 if body.logprob_start_len is None else body.logprob_start_len
-            fmt.echo = [await prompt_logprobs(state, ids, start, body.logprobs or 0) if body.logprobs is not None
-                        else [None] * len(ids) for ids in prompts]
+            fmt.echo = await all_prompt_logprobs(state, request, prompts, start, body.logprobs, "prompt")
             fmt.echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
                               for p, ids in zip(_prompt_list(body.prompt), prompts)]
             if body.max_tokens == 0:
@@ -366,8 +378,8 @@ class ChatFormatter:
         return {"role": "assistant", "content": out.text}, finish_reason(out)
 
     def response(self, outs: list[OutputStream]) -> dict:
-        if any(aborted(o) for o in outs):
-            raise aborted_error()
+        if first_aborted(outs) is not None:
+            raise aborted_error(first_aborted(outs))
         choices = []
         for i, out in enumerate(outs):
             message, reason = self._message(out)
@@ -400,9 +412,9 @@ class ChatFormatter:
                 if isinstance(up, Exception):
                     yield sse_error(up)
                     break
-                if up.aborted:  # cut by the server: a valid finish, then the error
+                if up.aborted:  # cut by the server or failed in the engine: a valid finish, then the error
                     yield self._chunk(c.index, {"content": up.text} if up.text else {}, "stop", tokens=up.ids_end)
-                    yield sse_error(aborted_error())
+                    yield sse_error(aborted_error(up.finish_reason))
                     break
                 if self.tools:  # tool calls are parsed once the output is whole (it is, once finished)
                     if up.finished:
@@ -475,8 +487,8 @@ class CompletionFormatter:
     def response(self, outs: list[OutputStream | None]) -> dict:
         """`outs` None: echo with max_tokens 0 (the prompt alone, no generation)."""
         done = [o for o in outs if o is not None]
-        if any(aborted(o) for o in done):
-            raise aborted_error()
+        if first_aborted(done) is not None:
+            raise aborted_error(first_aborted(done))
         choices = []
         n = self.body.n
         for i, out in enumerate(outs):
@@ -505,16 +517,16 @@ class CompletionFormatter:
         continuous = bool(options and options.continuous_usage_stats)
         try:
             async for c, up in merge_updates(streams):
-                # usage on every chunk (continuous_usage_stats: this choice's tokens so far), else null or absent
-                extra = {"usage": running_usage(self._prompt_tokens(), up.ids_end) if continuous else None} \
-                    if include_usage or continuous else {}
                 if isinstance(up, Exception):
                     yield sse_error(up)
                     break
-                if up.aborted:  # cut by the server: a valid finish, then the error
+                # usage on every chunk (continuous_usage_stats: this choice's tokens so far), else null or absent
+                extra = {"usage": running_usage(self._prompt_tokens(), up.ids_end) if continuous else None} \
+                    if include_usage or continuous else {}
+                if up.aborted:  # cut by the server or failed in the engine: a valid finish, then the error
                     yield sse(self._envelope(choices=[{"index": c.index, "text": up.text, "logprobs": None,
                                                        "finish_reason": "stop"}], **extra))
-                    yield sse_error(aborted_error())
+                    yield sse_error(aborted_error(up.finish_reason))
                     break
                 lp = None
                 if self.body.logprobs is not None:

@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 from redraft.engine.output_stream import OutputStream
 from redraft.server.common import APIError, ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect
 from redraft.server.dials import DIALS
-from redraft.server.openai_api import aborted_error, diffusion_stats, parse_tool_calls, start_chat
+from redraft.server.openai_api import aborted, aborted_error, diffusion_stats, parse_tool_calls, start_chat
 from redraft.server.openai_protocol import (ChatCompletionRequest, Strict, UnsupportedValue, drop_ignored_fields,
                                             merge_extra_body, reject_lone_surrogates)
 
@@ -224,8 +224,8 @@ class ResponsesFormatter:
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
     def response(self, out: OutputStream) -> dict:
-        if (out.finish_reason or {}).get("type") == "abort":
-            raise aborted_error()
+        if aborted(out):
+            raise aborted_error(out)
         return self._shell("completed", self._items(out), out)
 
     # ---- streaming ----
@@ -278,7 +278,7 @@ class ResponsesFormatter:
                 if isinstance(up, Exception):
                     raise up
                 if up.aborted:
-                    raise aborted_error()
+                    raise aborted_error(up.finish_reason)
                 if self.tools:  # tool calls are read from the whole output: sent once it is finished
                     continue
                 if up.text:
