@@ -202,6 +202,11 @@ class EngineCore:
                 "not infill masks inside it", param="input_ids")
         if rid in self._requests:
             raise RequestRejected(f"request id {rid!r} is already in flight", code="duplicate_request_id", param="rid")
+        if len(ids) >= self.max_model_len:  # no room for even one output token, whatever max_new_tokens says
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt alone has "
+                f"{len(ids)}: no room is left for the completion. Please shorten the prompt.",
+                code="context_length_exceeded", param="input_ids")
         resolved = resolve(params, self.default_levels, prompt_len=len(ids), max_model_len=self.max_model_len)
         if len(ids) + resolved.max_new_tokens > self.max_model_len:
             raise RequestRejected(

@@ -82,6 +82,8 @@ def test_serve_as_sglang_and_vllm_users_write_it(ckpt: Path, tmp_path: Path) -> 
             assert info["max_model_len"] == 512 and info["default_mode"] == "Q", info
             too_long = http.post("/v1/completions", json={"prompt": [5] * 500, "max_tokens": 20})
             assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+            no_room = http.post("/v1/completions", json={"prompt": [5] * 600}).json()["error"]
+            assert no_room["param"] == "prompt" and "the prompt alone has 600" in no_room["message"], no_room
             ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
             text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
             assert text == "CUSTOM[user]: hi\nCUSTOM[assistant]:", text
