@@ -1,0 +1,308 @@
+"""Signals and process hygiene of `redraft serve`, against real servers started in their own process group the
+way a supervisor starts them (systemd's `KillMode=control-group`, `timeout`, `kill -- -PGID` signal the whole
+group): the first SIGTERM/SIGINT drains (running streams finish or end with an error event), nothing restarts
+the engine during shutdown, the server exits 0, no process of the group is left and no socket folder either;
+a second signal stops at once; a SIGKILLed server leaves no engine, and its socket folder goes at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from live_server import RedraftServer, descendants, proc_stat, still_running
+from redraft.engine.tiny import make_tiny_checkpoint
+
+DRAIN_S = 5.0  # --shutdown-timeout of every server here
+MARGIN_S = 4.0  # what a stream may take past the drain time to end (the error event, a busy 2-core machine)
+EXIT_MARGIN_S = 10.0  # what the exit may take past the drain time (uvicorn's shutdown, the engine's stop)
+LONG, SHORT = 8, 3  # streams still running when the signal arrives / streams that finish during the drain
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("sig") / "tiny", seed=0)
+
+
+# ---- processes and folders -------------------------------------------------------------------------------------
+def group_members(pgid: int) -> dict[int, bytes]:
+    """pid -> command line of every live process (zombies aside) in process group `pgid`, from /proc."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out[int(d.name)] = cmd
+    return out
+
+
+def wait_group_gone(pgid: int, timeout: float) -> dict[int, bytes]:
+    deadline = time.monotonic() + timeout
+    left = group_members(pgid)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = group_members(pgid)
+    return left
+
+
+def socket_dirs(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("redraft-*"))
+
+
+@pytest.fixture
+def scratch():
+    """The servers' own $TMPDIR, where their socket folders live: short (a unix socket's path has at most 107
+    bytes, and pytest's folders are long), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def start(ckpt: Path, tmp_path: Path, scratch: Path, name: str) -> RedraftServer:
+    """A server in its own process group, with `scratch` as its temporary folder."""
+    logs = tmp_path / f"log-{name}"
+    logs.mkdir()
+    return RedraftServer(ckpt, logs, ["--shutdown-timeout", str(DRAIN_S)], env={"TMPDIR": str(scratch)},
+                         new_session=True).start()
+
+
+# ---- streams -----------------------------------------------------------------------------------------------------
+def chat_stream(url: str, max_tokens: int, out: list, started: threading.Event) -> None:
+    """A streamed chat; appends (events, seconds since the call) to `out`, events being the parsed `data:` lines
+    ("[DONE]" as is) or, if the connection broke, the exception's repr last."""
+    events: list = []
+    t0 = time.monotonic()
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": max_tokens,
+            "ignore_eos": True}
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60, trust_env=False) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    started.set()
+    except httpx.HTTPError as exc:
+        events.append(repr(exc))
+    out.append((events, time.monotonic()))
+
+
+def launch_streams(url: str) -> tuple[list[threading.Thread], list, list]:
+    """LONG endless streams and SHORT ones, all with their first chunk received (running in the engine)."""
+    long_out: list = []
+    short_out: list = []
+    threads = []
+    for n, out in [(2000, long_out)] * LONG + [(60, short_out)] * SHORT:
+        started = threading.Event()
+        t = threading.Thread(target=chat_stream, args=(url, n, out, started), daemon=True)
+        t.start()
+        assert started.wait(30), "a stream got no first chunk"
+        threads.append(t)
+    return threads, long_out, short_out
+
+
+def finish_of(events: list) -> str | None:
+    reasons = [e["choices"][0]["finish_reason"] for e in events if isinstance(e, dict) and e.get("choices")
+               and e["choices"][0].get("finish_reason")]
+    assert len(reasons) <= 1, f"more than one finish: {reasons}"
+    return reasons[0] if reasons else None
+
+
+def assert_ended_cleanly(events: list) -> None:
+    """Ended by the protocol: a finish (then [DONE]) or a `shutting_down` error event (then [DONE]); never a
+    broken connection, and nothing after the finish but [DONE]."""
+    assert events and events[-1] == "[DONE]", f"the stream did not end with [DONE]: {events[-3:]}"
+    last = events[-2]
+    if isinstance(last, dict) and "error" in last:
+        assert last["error"]["code"] == "shutting_down", last
+        assert last["error"]["message"], last
+    else:
+        assert finish_of(events) is not None, f"no finish and no error: {events[-3:]}"
+        assert last["choices"][0]["finish_reason"], "content after the finish"
+
+
+def assert_log_clean(srv: RedraftServer) -> None:
+    log = srv.log_tail(200_000)
+    assert "restarting" not in log, log[-4000:]
+    assert "died" not in log, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+
+
+# ---- the tests ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_group_drains_the_streams_and_leaves_nothing(ckpt, tmp_path, scratch, sig) -> None:
+    srv = start(ckpt, tmp_path, scratch, sig.name)
+    pgid = srv.proc.pid
+    try:
+        assert os.getpgid(pgid) == pgid
+        members = group_members(pgid)
+        assert len(members) >= 2, f"expected the HTTP process and the engine in the group: {members}"
+        owned = socket_dirs(scratch)
+        assert len(owned) == 1 and re.fullmatch(rf"redraft-{pgid}-\d+-\w+", owned[0].name), owned
+        threads, long_out, short_out = launch_streams(srv.url)
+        t0 = time.monotonic()
+        os.killpg(pgid, sig)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None, "the server must drain, not stop at once"
+        with pytest.raises(httpx.HTTPError):  # no longer admitted: 503 while draining, or the listener is shut
+            r = httpx.get(srv.url + "/health", timeout=5, trust_env=False)
+            r.raise_for_status()
+        for t in threads:
+            t.join(DRAIN_S + MARGIN_S + 30)
+        code = srv.proc.wait(DRAIN_S + EXIT_MARGIN_S)
+        exit_s = time.monotonic() - t0
+    finally:
+        srv.stop(check=False)
+        for pid in group_members(pgid):  # never leave a stray process, even when failing
+            os.kill(pid, signal.SIGKILL)
+    assert code == 0, f"exit code {code}; log:\n{srv.log_tail()}"
+    assert exit_s < DRAIN_S + EXIT_MARGIN_S
+    assert len(long_out) == LONG and len(short_out) == SHORT
+    for events, ended in short_out:  # short enough to finish within the drain: they do, normally
+        assert_ended_cleanly(events)
+        assert finish_of(events) == "length", events[-3:]
+    cut = 0
+    for events, ended in long_out:
+        assert_ended_cleanly(events)
+        assert ended - t0 < DRAIN_S + MARGIN_S, f"a stream ended {ended - t0:.1f}s after the signal"
+        cut += isinstance(events[-2], dict) and "error" in events[-2]
+    assert cut == LONG, "2000-token streams of the tiny model cannot finish in the drain time: ended by it"
+    left = wait_group_gone(pgid, 5.0)
+    assert not left, f"processes of the group left behind: {left}"
+    assert not socket_dirs(scratch), f"socket folder left behind: {socket_dirs(scratch)}"
+    assert_log_clean(srv)
+
+
+def test_a_second_signal_stops_at_once_and_kills_the_children(ckpt, tmp_path, scratch) -> None:
+    srv = start(ckpt, tmp_path, scratch, "twice")
+    pgid = srv.proc.pid
+    try:
+        threads, long_out, short_out = launch_streams(srv.url)
+        os.killpg(pgid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert srv.proc.poll() is None, "the first signal drains"
+        t0 = time.monotonic()
+        os.killpg(pgid, signal.SIGINT)
+        code = srv.proc.wait(DRAIN_S)  # well before the drain time is over
+        stop_s = time.monotonic() - t0
+        for t in threads:
+            t.join(10)
+        long_out += short_out
+    finally:
+        srv.stop(check=False)
+        for pid in group_members(pgid):
+            os.kill(pid, signal.SIGKILL)
+    assert code == 0, srv.log_tail()
+    assert stop_s < 3.0, f"the second signal took {stop_s:.1f}s to stop the server"
+    assert len(long_out) == LONG + SHORT
+    for events, ended in long_out:  # the short ones finished during the drain, the rest end at the second signal
+        assert_ended_cleanly(events)
+        assert ended - t0 < 3.0
+    left = wait_group_gone(pgid, 5.0)
+    assert not left, f"processes of the group left behind: {left}"
+    assert not socket_dirs(scratch), f"socket folder left behind: {socket_dirs(scratch)}"
+    assert "stopping now" in srv.log_tail()
+    assert "restarting" not in srv.log_tail(200_000)
+
+
+def test_no_restart_once_shutdown_has_begun(ckpt, tmp_path, scratch) -> None:
+    """The engine dies with a restart scheduled, then SIGTERM arrives during the restart's pause: the restart
+    is cancelled, no new engine is started, and the server still exits 0 with nothing left."""
+    srv = start(ckpt, tmp_path, scratch, "restart")
+    pgid = srv.proc.pid
+    try:
+        engine = srv.engine_pid()
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while "restarting the engine in 1s" not in srv.log_tail():  # the watchdog saw it: a restart is due
+            assert time.monotonic() < deadline, srv.log_tail()
+            time.sleep(0.05)
+        os.killpg(pgid, signal.SIGTERM)  # within the 1 s pause
+        code = srv.proc.wait(DRAIN_S + EXIT_MARGIN_S)
+    finally:
+        srv.stop(check=False)
+        for pid in group_members(pgid):
+            os.kill(pid, signal.SIGKILL)
+    log = srv.log_tail(200_000)
+    assert code == 0, log
+    assert "restart cancelled" in log, log
+    assert "the engine is back" not in log and "attempt 2" not in log, log
+    left = wait_group_gone(pgid, 5.0)
+    assert not left, f"processes of the group left behind: {left}"
+    assert not socket_dirs(scratch)
+
+
+def test_an_engine_death_during_the_drain_is_not_restarted(ckpt, tmp_path, scratch) -> None:
+    srv = start(ckpt, tmp_path, scratch, "drain-death")
+    pgid = srv.proc.pid
+    try:
+        threads, long_out, _ = launch_streams(srv.url)
+        engine = srv.engine_pid()
+        os.kill(srv.proc.pid, signal.SIGTERM)  # the HTTP process alone: it drains
+        time.sleep(0.5)
+        os.kill(engine, signal.SIGKILL)  # and the engine dies meanwhile (an OOM kill, say)
+        code = srv.proc.wait(DRAIN_S + EXIT_MARGIN_S)
+        for t in threads:
+            t.join(10)
+    finally:
+        srv.stop(check=False)
+        for pid in group_members(pgid):
+            os.kill(pid, signal.SIGKILL)
+    log = srv.log_tail(200_000)
+    assert code == 0, log
+    assert "not restarted" in log and "restarting" not in log, log
+    for events, _ in long_out:  # failed at once by the engine's death: an error event, then [DONE]
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    assert not wait_group_gone(pgid, 5.0)
+    assert not socket_dirs(scratch)
+
+
+def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_removes_its_folder(
+        ckpt, tmp_path, scratch) -> None:
+    srv = start(ckpt, tmp_path, scratch, "killed")
+    pgid = srv.proc.pid
+    # a folder of a live server (this test process, by its pid and start time) must survive the next start
+    me = proc_stat(os.getpid())
+    alive = scratch / f"redraft-{os.getpid()}-{me[1]}-live"
+    alive.mkdir()
+    try:
+        kids = descendants(srv.proc.pid)
+        assert kids, "the engine runs"
+        (dead,) = [p for p in socket_dirs(scratch) if p != alive]
+        srv.proc.kill()
+        srv.proc.wait(10)
+        deadline = time.monotonic() + 5.0  # the kernel's parent-death signal: at once, in practice
+        while any(still_running(p, s) for p, s in kids.items()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: s for p, s in kids.items() if still_running(p, s)}
+        assert not left, f"children of the killed server still run: {left}"
+        assert dead.is_dir(), "a SIGKILL leaves the folder (nothing can run then)"
+    finally:
+        srv.stop(check=False)
+        for pid in group_members(pgid):
+            os.kill(pid, signal.SIGKILL)
+    nxt = RedraftServer(ckpt, tmp_path, ["--shutdown-timeout", str(DRAIN_S)], env={"TMPDIR": str(scratch)},
+                        new_session=True).start()
+    try:
+        assert not dead.exists(), "the next server removes the folder of the dead one"
+        assert alive.is_dir(), "a live process's folder is left alone"
+        mine = [p for p in socket_dirs(scratch) if p != alive]
+        assert len(mine) == 1 and mine[0].name.startswith(f"redraft-{nxt.proc.pid}-"), mine
+    finally:
+        nxt.stop()
+    assert socket_dirs(scratch) == [alive]
