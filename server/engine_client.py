@@ -106,23 +106,24 @@ def _socket_listened_on(path: Path) -> bool:
         return True
 
 
-# A unix socket's path has at most 107 bytes (Linux; 103 on macOS): a longer $TMPDIR falls back to /tmp.
-_MAX_SOCKET_PATH = 100
+# A unix socket's path has at most 107 bytes on Linux (103 on macOS): a $TMPDIR too long for it falls back to /tmp.
+_MAX_SOCKET_PATH = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 103
 
 
 def _ipc_roots() -> list[str]:
-    """Where socket folders are made: $TMPDIR (tempfile's choice), or /tmp when that is too long."""
-    roots = [tempfile.gettempdir()]
-    if len(roots[0]) + len("/redraft-4194304-18446744073709551615-xxxxxxxx/from-engine") > _MAX_SOCKET_PATH \
-            and os.path.isdir("/tmp"):
-        roots.append("/tmp")
-    return roots
+    """Where socket folders may be: $TMPDIR (tempfile's choice), and /tmp for a $TMPDIR too long."""
+    return list(dict.fromkeys([tempfile.gettempdir()] + (["/tmp"] if os.path.isdir("/tmp") else [])))
 
 
 def new_ipc_dir() -> str:
     """A private folder (0700) for this process's sockets, named after it for `remove_stale_ipc_dirs`."""
     pid = os.getpid()
-    return tempfile.mkdtemp(prefix=f"redraft-{pid}-{_start_time(pid) or 0}-", dir=_ipc_roots()[-1])
+    prefix = f"redraft-{pid}-{_start_time(pid) or 0}-"
+    root = tempfile.gettempdir()
+    longest = os.path.join(root, prefix + "x" * 8, max(_SOCKETS, key=len))  # mkdtemp adds 8 characters
+    if len(os.fsencode(longest)) > _MAX_SOCKET_PATH and os.path.isdir("/tmp"):
+        root = "/tmp"
+    return tempfile.mkdtemp(prefix=prefix, dir=root)
 
 
 def remove_ipc_dir(path: str | Path) -> bool:
@@ -154,6 +155,11 @@ def remove_stale_ipc_dirs(roots: list[str] | None = None) -> list[str]:
         except OSError:
             continue
         if not _owner_gone(int(m.group(1)), m.group(2)):
+            continue
+        try:
+            if any(child.name not in _SOCKETS for child in path.iterdir()):
+                continue  # not only our sockets: not ours to remove
+        except OSError:
             continue
         if any(_socket_listened_on(path / name) for name in _SOCKETS):
             continue

@@ -306,3 +306,40 @@ def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_removes_its_f
     finally:
         nxt.stop()
     assert socket_dirs(scratch) == [alive]
+
+
+def test_stale_socket_folders_are_told_apart_from_live_ones(scratch) -> None:
+    """In-process, each case of `remove_stale_ipc_dirs`: only folders of this user's dead servers go."""
+    import socket
+    import subprocess
+    import sys
+
+    from redraft.server.engine_client import remove_stale_ipc_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    gone_start = proc_stat(gone.pid)[1]
+    gone.wait(10)
+    me = f"{os.getpid()}-{proc_stat(os.getpid())[1]}"
+
+    def folder(name: str, *files: str) -> Path:
+        path = scratch / name
+        path.mkdir(mode=0o700)
+        for f in files:
+            (path / f).touch()
+        return path
+
+    dead = folder(f"redraft-{gone.pid}-{gone_start}-abcd1234", "to-engine", "from-engine")
+    dead_empty = folder(f"redraft-{gone.pid}-{gone_start}-empty123")
+    live = folder(f"redraft-{me}-live1234", "to-engine", "from-engine")
+    reused = folder(f"redraft-{os.getpid()}-1-reused12", "to-engine")  # our pid, another start time: a dead owner
+    extra = folder(f"redraft-{gone.pid}-{gone_start}-extra123", "to-engine", "notes.txt")
+    other = folder("redraft-abcdefgh", "to-engine")  # not named by this scheme: not ours to judge
+    listened = folder(f"redraft-{gone.pid}-{gone_start}-listen12")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(listened / "from-engine"))  # someone (another pid namespace?) still serves on it
+        server.listen(1)
+        removed = remove_stale_ipc_dirs([str(scratch)])
+    assert sorted(removed) == sorted(str(p) for p in (dead, dead_empty, reused))
+    assert not dead.exists() and not dead_empty.exists() and not reused.exists()
+    assert live.is_dir() and extra.is_dir() and other.is_dir() and listened.is_dir()
+    assert sorted(p.name for p in extra.iterdir()) == ["notes.txt", "to-engine"], "left as it was"
