@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import RedraftServer, descendants, proc_stat, still_running
+from live_server import RedraftServer, cmdline, descendants, proc_stat, still_running
 from redraft.engine.tiny import make_tiny_checkpoint
 
 DRAIN_S = 5.0  # --shutdown-timeout of every server here
@@ -74,11 +74,12 @@ def scratch():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def start(ckpt: Path, tmp_path: Path, scratch: Path, name: str) -> RedraftServer:
+def start(ckpt: Path, tmp_path: Path, scratch: Path, name: str, extra: list[str] | None = None) -> RedraftServer:
     """A server in its own process group, with `scratch` as its temporary folder."""
     logs = tmp_path / f"log-{name}"
     logs.mkdir()
-    return RedraftServer(ckpt, logs, ["--shutdown-timeout", str(DRAIN_S)], env={"TMPDIR": str(scratch)},
+    return RedraftServer(ckpt, logs, ["--shutdown-timeout", str(DRAIN_S), *(extra or [])],
+                         env={"TMPDIR": str(scratch)},
                          new_session=True).start()
 
 
@@ -144,14 +145,16 @@ def assert_log_clean(srv: RedraftServer) -> None:
 
 
 # ---- the tests ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_to_the_group_drains_the_streams_and_leaves_nothing(ckpt, tmp_path, scratch, sig) -> None:
-    srv = start(ckpt, tmp_path, scratch, sig.name)
+def drain_by_group_signal(srv: RedraftServer, scratch: Path, sig: int, processes: int,
+                          short_finish: bool = True) -> None:
+    """`processes` of redraft in the group (the HTTP process, the engine, ranks), LONG + SHORT streams running,
+    then `sig` to the whole group: the checks of a drain that leaves nothing. `short_finish`: the SHORT streams
+    are fast enough to finish within the drain time (not so with ranks on a busy 2-core machine)."""
     pgid = srv.proc.pid
     try:
         assert os.getpgid(pgid) == pgid
-        members = group_members(pgid)
-        assert len(members) >= 2, f"expected the HTTP process and the engine in the group: {members}"
+        ours = [p for p, cmd in group_members(pgid).items() if b"resource_tracker" not in cmd]
+        assert len(ours) == processes, f"expected {processes} processes of redraft in the group: {ours}"
         owned = socket_dirs(scratch)
         assert len(owned) == 1 and re.fullmatch(rf"redraft-{pgid}-\d+-\w+", owned[0].name), owned
         threads, long_out, short_out = launch_streams(srv.url)
@@ -175,7 +178,8 @@ def test_a_signal_to_the_group_drains_the_streams_and_leaves_nothing(ckpt, tmp_p
     assert len(long_out) == LONG and len(short_out) == SHORT
     for events, ended in short_out:  # short enough to finish within the drain: they do, normally
         assert_ended_cleanly(events)
-        assert finish_of(events) == "length", events[-3:]
+        if short_finish:
+            assert finish_of(events) == "length", events[-3:]
     cut = 0
     for events, ended in long_out:
         assert_ended_cleanly(events)
@@ -186,6 +190,33 @@ def test_a_signal_to_the_group_drains_the_streams_and_leaves_nothing(ckpt, tmp_p
     assert not left, f"processes of the group left behind: {left}"
     assert not socket_dirs(scratch), f"socket folder left behind: {socket_dirs(scratch)}"
     assert_log_clean(srv)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_group_drains_the_streams_and_leaves_nothing(ckpt, tmp_path, scratch, sig) -> None:
+    drain_by_group_signal(start(ckpt, tmp_path, scratch, sig.name), scratch, sig, processes=2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_leave_the_shutdown_to_the_http_process(ckpt, tmp_path, scratch) -> None:
+    """With `--tp-size 2` the group holds a rank too: it ignores the signal like the engine, the drain is the
+    same; and a SIGKILL of the HTTP process takes the engine and the rank with it."""
+    drain_by_group_signal(start(ckpt, tmp_path, scratch, "tp", ["--tp-size", "2"]), scratch, signal.SIGTERM,
+                          processes=3, short_finish=False)
+    srv = start(ckpt, tmp_path, scratch, "tp-killed", ["--tp-size", "2"])
+    try:
+        kids = descendants(srv.proc.pid)
+        assert len([p for p in kids if b"resource_tracker" not in cmdline(p)]) == 2, kids  # the engine, rank 1
+        srv.proc.kill()
+        srv.proc.wait(10)
+        deadline = time.monotonic() + 5.0
+        while any(still_running(p, s) for p, s in kids.items()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p, s in kids.items() if still_running(p, s)], "a child outlived the killed server"
+    finally:
+        srv.stop(check=False)
+        for pid in group_members(srv.proc.pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_second_signal_stops_at_once_and_kills_the_children(ckpt, tmp_path, scratch) -> None:
