@@ -89,36 +89,42 @@ class DrainingServer(uvicorn.Server):
 
 def serve(args: ServerArgs) -> int:
     domains = parse_domains(args.domains)  # before the engine starts: a bad flag fails at once
-    model_path = resolve_model_path(args.model_path, args.revision)  # a hub id is fetched (or found) here, once
-    if not (model_path / "config.json").is_file():
-        raise FileNotFoundError(f"no checkpoint (config.json) in {model_path}")
-    # the name clients use: the repo id for a hub model (its snapshot folder is a commit hash), else the folder's
-    hub_id = args.model_path is not None and not Path(args.model_path).expanduser().is_dir()
-    name = args.served_model_name or (args.model_path if hub_id else model_path.name)
-    args = args.replace(model_path=str(model_path))
-    tokenizer = Tokenizer.from_pretrained(model_path)
-    log.info("starting the engine process for %s", model_path)
-    client = EngineClient(args, max_restarts=args.engine_restarts)
+    client: EngineClient | None = None
     with _StartupSignals() as startup:
         try:
+            args, name = _resolve_model(args)
+            tokenizer = Tokenizer.from_pretrained(args.model_path)
+            log.info("starting the engine process for %s", args.model_path)
+            client = EngineClient(args, max_restarts=args.engine_restarts)
             client.start()  # on failure it leaves nothing behind
-            return _serve(args, client, tokenizer, name, model_path, domains)
+            return _serve(args, client, tokenizer, name, domains)
         except _StoppedDuringStartup as stop:
             log.warning("%s: stopped at once", signal.Signals(stop.sig).name)
             return 0
         finally:
             startup.armed = False  # the cleanup below is bounded: a signal now must not cut it short
-            _end_children(client)
+            if client is not None:
+                _end_children(client)
 
 
-def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: str, model_path: Path,
-           domains: Any) -> int:
+def _resolve_model(args: ServerArgs) -> tuple[ServerArgs, str]:
+    """The checkpoint's folder (a hub id is fetched, or found in the cache, here, once) and the name clients use:
+    the repo id for a hub model (its snapshot folder is a commit hash), else the folder's."""
+    model_path = resolve_model_path(args.model_path, args.revision)
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"no checkpoint (config.json) in {model_path}")
+    hub_id = args.model_path is not None and not Path(args.model_path).expanduser().is_dir()
+    name = args.served_model_name or (args.model_path if hub_id else model_path.name)
+    return args.replace(model_path=str(model_path)), name
+
+
+def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: str, domains: Any) -> int:
     info = client.info
     log.info(
         "engine ready: %.1fM params, %s on %s, KV cache %d tokens, context %d",
         info["num_params"] / 1e6, info["dtype"], info["device"], info["max_total_tokens"], info["max_model_len"],
     )
-    state = ServerState(client, tokenizer, name, str(model_path), args.api_key, args.max_body_bytes, domains=domains,
+    state = ServerState(client, tokenizer, name, args.model_path, args.api_key, args.max_body_bytes, domains=domains,
                         max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key)
     app = create_app(state)
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
@@ -133,7 +139,7 @@ def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: s
     return 0
 
 
-class _StoppedDuringStartup(Exception):
+class _StoppedDuringStartup(BaseException):  # like KeyboardInterrupt: no `except Exception` may swallow it
     def __init__(self, sig: int):
         super().__init__(sig)
         self.sig = sig

@@ -374,3 +374,39 @@ def test_stale_socket_folders_are_told_apart_from_live_ones(scratch) -> None:
     assert not dead.exists() and not dead_empty.exists() and not reused.exists()
     assert live.is_dir() and extra.is_dir() and other.is_dir() and listened.is_dir()
     assert sorted(p.name for p in extra.iterdir()) == ["notes.txt", "to-engine"], "left as it was"
+
+
+def test_a_signal_during_start_up_stops_cleanly(ckpt, tmp_path, scratch) -> None:
+    """SIGTERM to the group while the engine loads (the socket folder exists, /health does not answer yet): the
+    start-up ends, exit 0, no process and no socket folder left."""
+    import subprocess
+    import sys
+
+    from live_server import free_port
+
+    log_path = tmp_path / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "redraft", "serve", "--model", str(ckpt), "--host", "127.0.0.1",
+                                 "--port", str(free_port()), "--log-level", "warning"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not socket_dirs(scratch):  # the engine is being started
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        time.sleep(0.3)
+        members = group_members(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in group_members(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    log = log_path.read_text()
+    assert len([p for p, cmd in members.items() if b"resource_tracker" not in cmd]) == 2, members  # with the engine
+    assert code == 0, log
+    assert "SIGTERM: stopped at once" in log, log
+    assert not wait_group_gone(proc.pid, 5.0)
+    assert not socket_dirs(scratch), "the socket folder was left behind"
