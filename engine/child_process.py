@@ -10,6 +10,10 @@ process of redraft ever outlives the server:
   SIGTERM blocked, so a signal that arrives while it is still importing stays pending instead of killing it;
 - the child calls `shield_from_group_signals()` first thing: both signals are ignored (the pending ones are
   dropped), and on Linux the kernel kills it when its parent dies (PR_SET_PDEATHSIG).
+
+A pool of helper processes does the same with `initializer=shield_from_group_signals, initargs=(False,)` (False:
+a pool may start its workers from any thread, and the kernel's death signal follows the starting thread); its
+owner shuts it down, and `end_children` at the server's exit ends whatever is left.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def parent_alive(pid: int) -> bool:
 def shield_from_group_signals(die_with_parent: bool = True) -> int:
     """In a child, first thing: ignore SIGINT/SIGTERM (the parent shuts us down), die with the parent when
     asked (only for a child started from the parent's main thread), and exit at once if the parent is already
-    gone. Returns the parent's pid, for the child's own periodic check where the kernel gives no death signal."""
+    gone (a direct child: see parent_alive). Returns the parent's pid, for the child's own periodic check where the kernel gives no death signal."""
     for sig in GROUP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)  # pending ones are dropped: they are ignored now

@@ -27,8 +27,8 @@ import socket
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import zmq
@@ -428,6 +428,7 @@ class EngineClient:
                 await asyncio.wait({self._ready}, timeout=0.2)
             if self.shutting_down:  # a signal came while the new engine started: it is not wanted any more
                 log.warning("restart cancelled: the server is shutting down")
+                self._ready.cancel()  # whatever the new engine reports now is of no interest
                 if self.proc.is_alive():
                     self.proc.kill()
                 await asyncio.to_thread(self.proc.join, 5)
