@@ -206,8 +206,9 @@ class Workers:
 
 def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_with_parent: bool = True) -> None:
     """A rank > 0: load its shard, meet rank 0, build its KV cache, then run every forward rank 0 announces.
-    Signals to the process group are ignored (the engine stops the ranks: STOP, or a kill), and a rank dies
-    with the engine process (when it started us from its main thread)."""
+    Signals to the process group are ignored (the engine stops the ranks: STOP, or a kill; started by the engine
+    process they inherit its "ignored" already, this says so for any other parent), and a rank dies with the
+    engine process (when it started us from its main thread)."""
     shield_from_group_signals(die_with_parent)
     from redraft.engine.loader import load_model
     from redraft.engine.defaults import resolve_model_path

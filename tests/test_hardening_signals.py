@@ -85,10 +85,10 @@ def start(ckpt: Path, tmp_path: Path, scratch: Path, name: str, extra: list[str]
 
 # ---- streams -----------------------------------------------------------------------------------------------------
 def chat_stream(url: str, max_tokens: int, out: list, started: threading.Event) -> None:
-    """A streamed chat; appends (events, seconds since the call) to `out`, events being the parsed `data:` lines
-    ("[DONE]" as is) or, if the connection broke, the exception's repr last."""
+    """A streamed chat; appends (events, when it ended, when its last text arrived) to `out`, events being the
+    parsed `data:` lines ("[DONE]" as is) or, if the connection broke, the exception's repr last."""
     events: list = []
-    t0 = time.monotonic()
+    last_text = 0.0
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": max_tokens,
             "ignore_eos": True}
     try:
@@ -97,10 +97,13 @@ def chat_stream(url: str, max_tokens: int, out: list, started: threading.Event) 
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    if isinstance(events[-1], dict) and (events[-1].get("choices") or [{}])[0].get("delta", {}).get(
+                            "content"):
+                        last_text = time.monotonic()
                     started.set()
     except httpx.HTTPError as exc:
         events.append(repr(exc))
-    out.append((events, time.monotonic()))
+    out.append((events, time.monotonic(), last_text))
 
 
 def launch_streams(url: str) -> tuple[list[threading.Thread], list, list]:
@@ -176,14 +179,15 @@ def drain_by_group_signal(srv: RedraftServer, scratch: Path, sig: int, processes
     assert code == 0, f"exit code {code}; log:\n{srv.log_tail()}"
     assert exit_s < DRAIN_S + EXIT_MARGIN_S
     assert len(long_out) == LONG and len(short_out) == SHORT
-    for events, ended in short_out:  # short enough to finish within the drain: they do, normally
+    for events, ended, _ in short_out:  # short enough to finish within the drain: they do, normally
         assert_ended_cleanly(events)
         if short_finish:
             assert finish_of(events) == "length", events[-3:]
     cut = 0
-    for events, ended in long_out:
+    for events, ended, last_text in long_out:
         assert_ended_cleanly(events)
         assert ended - t0 < DRAIN_S + MARGIN_S, f"a stream ended {ended - t0:.1f}s after the signal"
+        assert last_text > t0 + 1.0, "a stream stopped progressing at the signal: the engine must run on"
         cut += isinstance(events[-2], dict) and "error" in events[-2]
     assert cut == LONG, "2000-token streams of the tiny model cannot finish in the drain time: ended by it"
     left = wait_group_gone(pgid, 5.0)
@@ -241,7 +245,7 @@ def test_a_second_signal_stops_at_once_and_kills_the_children(ckpt, tmp_path, sc
     assert code == 0, srv.log_tail()
     assert stop_s < 3.0, f"the second signal took {stop_s:.1f}s to stop the server"
     assert len(long_out) == LONG + SHORT
-    for events, ended in long_out:  # the short ones finished during the drain, the rest end at the second signal
+    for events, ended, _ in long_out:  # the short ones finished during the drain, the rest end at the second signal
         assert_ended_cleanly(events)
         assert ended - t0 < 3.0
     left = wait_group_gone(pgid, 5.0)
@@ -297,7 +301,7 @@ def test_an_engine_death_during_the_drain_is_not_restarted(ckpt, tmp_path, scrat
     log = srv.log_tail(200_000)
     assert code == 0, log
     assert "not restarted" in log and "restarting" not in log, log
-    for events, _ in long_out:  # failed at once by the engine's death: an error event, then [DONE]
+    for events, _, _ in long_out:  # failed at once by the engine's death: an error event, then [DONE]
         assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
     assert not wait_group_gone(pgid, 5.0)
     assert not socket_dirs(scratch)
