@@ -298,9 +298,7 @@ class EngineClient:
     def begin_shutdown(self) -> None:
         """The server is stopping (its first SIGTERM/SIGINT): the engine is never restarted from now on, and a
         restart already under way is abandoned (its new process killed) by `_restart` itself."""
-        if not self.shutting_down:
-            self.shutting_down = True
-            log.info("shutdown begun: the engine will not be restarted")
+        self.shutting_down = True  # the signal handler has set it already; this also serves other callers
         if hasattr(self, "_no_restarts"):
             self._no_restarts.set()
 
