@@ -4,20 +4,20 @@ Each iteration: take every pending message (new requests, aborts, flushes, pings
 core step (one forward for the whole batch, and a bounded chunk of likelihood work), then send back one list:
 acceptances, rejections, what each request committed since its last message, finished likelihood jobs. A failure
 that concerns one request ends that request (an error finish, a 500 for that message), never this loop.
-Idle, it blocks on the socket instead of spinning. It exits on ShutdownReq,
-or by itself when its parent process is gone, so no orphan is ever left behind.
+Idle, it blocks on the socket instead of spinning. It exits on ShutdownReq, or by itself when its parent process
+is gone, so no orphan is ever left behind. SIGINT/SIGTERM sent to the whole process group are ignored: the HTTP
+process drains its requests first, then stops this one (engine/child_process.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from typing import Any
 
 import zmq
 
+from redraft.engine.child_process import end_children, parent_alive, shield_from_group_signals
 from redraft.protocol.messages import (
     AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong, Rejected,
     ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
@@ -33,26 +33,35 @@ def run_engine_process(args: ServerArgs, recv_addr: str, send_addr: str) -> None
     """Entry point of the child process (multiprocessing 'spawn'). This module imports no torch at the top,
     so that the HTTP process can name this function without loading the model stack."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the HTTP process, which shuts us down
-    parent = os.getppid()
+    parent = shield_from_group_signals()  # the HTTP process drains, then shuts us down; we die with it
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.connect(recv_addr)
     send = ctx.socket(zmq.PUSH)
     send.connect(send_addr)
+    asked_to_stop, linger_ms = False, 0
     try:
-        from redraft.engine.core import EngineCore
+        try:
+            from redraft.engine.core import EngineCore
 
-        core = EngineCore(args.replace(progress=False))
-    except Exception as exc:  # report why (once: the HTTP process prints it), then die
-        log.debug("engine failed to start", exc_info=True)
-        send.send_pyobj(EngineFailed(f"{type(exc).__name__}: {exc}"))
-        ctx.destroy(linger=1000)
-        return
-    send.send_pyobj(EngineReady(info=core.info()))
-    log.info("engine ready: %s", core.model_path)
-    EngineLoop(core, recv, send, parent).run()
-    ctx.destroy(linger=0)
+            core = EngineCore(args.replace(progress=False))
+        except Exception as exc:  # report why (once: the HTTP process prints it), then die
+            log.debug("engine failed to start", exc_info=True)
+            send.send_pyobj(EngineFailed(f"{type(exc).__name__}: {exc}"))
+            linger_ms = 1000  # that message must get out
+            return
+        send.send_pyobj(EngineReady(info=core.info()))
+        log.info("engine ready: %s", core.model_path)
+        loop = EngineLoop(core, recv, send, parent)
+        loop.run()
+        asked_to_stop = loop.asked_to_stop
+        if asked_to_stop:
+            core.shutdown()  # tensor parallel: the ranks stop and are joined
+    finally:
+        # Ranks ignore SIGTERM, so multiprocessing's exit hook (SIGTERM, then join) would wait on them forever:
+        # every child still here (a failed start, a crash, the parent gone) is killed now.
+        end_children(grace_s=2.0 if asked_to_stop else 0.0)
+        ctx.destroy(linger=linger_ms)
 
 
 class EngineLoop:
@@ -67,13 +76,14 @@ class EngineLoop:
         self.poller.register(recv, zmq.POLLIN)
         self.outbox: list[Any] = []
         self.running = True
+        self.asked_to_stop = False  # ShutdownReq (else the parent is gone, or a step raised)
         self._last_log = time.monotonic()
         self._forwards_at_log = 0
         self._tokens_since_log = 0
 
     def run(self) -> None:
         while self.running:
-            if os.getppid() != self.parent_pid:
+            if not parent_alive(self.parent_pid):
                 log.warning("parent process is gone: exiting")
                 return
             self._drain_messages(block_ms=0 if self.core.has_work() else 100)
@@ -136,7 +146,7 @@ class EngineLoop:
         elif isinstance(msg, PingReq):
             self.outbox.append(Pong(msg.token, self.core.stats()))
         elif isinstance(msg, ShutdownReq):
-            self.running = False
+            self.running, self.asked_to_stop = False, True
         else:
             log.error("unknown message %r", type(msg).__name__)
 

@@ -14,6 +14,7 @@ construction: only rank 0 schedules at all.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from redraft.engine.child_process import group_signals_blocked, shield_from_group_signals
 from redraft.engine.config import ModelConfig
 from redraft.engine.model import LLaDA2Model
 from redraft.engine.sharding import RankLayout, is_vocab_parallel
@@ -162,11 +164,17 @@ class Workers:
         self.args = args
         self.init_method = free_init_method()
         ctx = torch.multiprocessing.get_context("spawn")
+        # The kernel's parent-death signal follows the starting thread: only a main thread lives as long as we do.
+        main = threading.current_thread() is threading.main_thread()
         self.procs = [ctx.Process(target=worker_main, name=f"redraft-tp{rank}", daemon=True,
-                                  args=(rank, args.tp_size, args.ep_size, args, self.init_method))
+                                  args=(rank, args.tp_size, args.ep_size, args, self.init_method, main))
                       for rank in range(1, args.tp_size)]
-        for p in self.procs:
-            p.start()
+        with group_signals_blocked():  # a signal to the group during their start-up must not kill them
+            for p in self.procs:
+                p.start()
+        # They ignore SIGTERM, which multiprocessing's own exit hook sends before it joins them: an interpreter
+        # that exits without shutdown() (Ctrl-C in a script) kills them first instead of waiting forever.
+        atexit.register(self.kill)
 
     def join(self, model: LLaDA2Model, num_pages: int, num_slots: int) -> None:
         """Rank 0 (this process, `model` loaded): meet the workers, tell them the KV cache's size (rank 0's
@@ -181,9 +189,10 @@ class Workers:
         install_leader(model)
 
     def kill(self) -> None:
-        """None may outlive a failed start."""
+        """None may outlive a failed start, or the interpreter."""
         for p in self.procs:
             p.kill()
+            p.join(5)
         self.procs = []
 
     def stop(self) -> None:
@@ -192,11 +201,15 @@ class Workers:
             dist.destroy_process_group()
         for p in self.procs:
             p.join(timeout=30)
-        self.procs = []
+        self.kill()  # any rank that did not stop in time
 
 
-def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str) -> None:
-    """A rank > 0: load its shard, meet rank 0, build its KV cache, then run every forward rank 0 announces."""
+def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_with_parent: bool = True) -> None:
+    """A rank > 0: load its shard, meet rank 0, build its KV cache, then run every forward rank 0 announces.
+    Signals to the process group are ignored (the engine stops the ranks: STOP, or a kill; started by the engine
+    process they inherit its "ignored" already, this says so for any other parent), and a rank dies with the
+    engine process (when it started us from its main thread)."""
+    shield_from_group_signals(die_with_parent)
     from redraft.engine.loader import load_model
     from redraft.engine.defaults import resolve_model_path
     from redraft.engine.model_runner import ModelRunner

@@ -5,23 +5,36 @@ messages. If the engine process exits, every waiting request is failed at once w
 `alive` turns False, so routes answer 503 (with Retry-After) instead of hanging; then the engine is started
 again in place, up to `max_restarts` times with a growing pause. If that fails too, `failed` turns True and
 the `on_fatal` callbacks run (the server then exits non-zero, so that its supervisor restarts the pod).
+Once shutdown has begun (`begin_shutdown`, at the first SIGTERM/SIGINT) nothing is restarted any more.
+
+The two ZMQ ipc sockets live in a private folder (mode 0700: only this user may connect, and the engine
+unpickles what arrives) named after this process, `$TMPDIR/redraft-<pid>-<start time>-<random>`. It is removed
+on every exit this process controls; the folders of servers that died without that (SIGKILL, a segfault) are
+removed by the next server that starts (`remove_stale_ipc_dirs`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
+import errno
 import logging
 import multiprocessing as mp
 import os
+import re
+import socket
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
 
+from redraft.engine.child_process import group_signals_blocked
 from redraft.engine.engine_process import run_engine_process
 from redraft.protocol.messages import (
     Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong,
@@ -49,6 +62,112 @@ class EngineRejected(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
+# ---- the socket folder ----------------------------------------------------------------------------------------
+_SOCKETS = ("to-engine", "from-engine")
+_IPC_DIR = re.compile(r"redraft-(\d+)-(\d+)-[A-Za-z0-9_]+")
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, from /proc), which tells a reused pid apart; None
+    without /proc or without such a process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()[19]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner_gone(pid: int, start: str) -> bool:
+    if not _pid_alive(pid):
+        return True
+    now = _start_time(pid)
+    return start != "0" and now is not None and now != start  # the pid was reused by another process
+
+
+def _socket_listened_on(path: Path) -> bool:
+    """Whether a process still accepts connections on this unix socket (a live server in another pid namespace
+    sharing /tmp looks dead by its pid)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+        return True
+
+
+# A unix socket's path has at most 107 bytes on Linux (103 on macOS): a $TMPDIR too long for it falls back to /tmp.
+_MAX_SOCKET_PATH = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 103
+
+
+def _ipc_roots() -> list[str]:
+    """Where socket folders may be: $TMPDIR (tempfile's choice), and /tmp for a $TMPDIR too long."""
+    return list(dict.fromkeys([tempfile.gettempdir()] + (["/tmp"] if os.path.isdir("/tmp") else [])))
+
+
+def new_ipc_dir() -> str:
+    """A private folder (0700) for this process's sockets, named after it for `remove_stale_ipc_dirs`."""
+    pid = os.getpid()
+    prefix = f"redraft-{pid}-{_start_time(pid) or 0}-"
+    root = tempfile.gettempdir()
+    longest = os.path.join(root, prefix + "x" * 8, max(_SOCKETS, key=len))  # mkdtemp adds 8 characters
+    if len(os.fsencode(longest)) > _MAX_SOCKET_PATH and os.path.isdir("/tmp"):
+        root = "/tmp"
+    return tempfile.mkdtemp(prefix=prefix, dir=root)
+
+
+def remove_ipc_dir(path: str | Path) -> bool:
+    """Remove a socket folder that holds nothing but our sockets (anything else: left alone). True if gone."""
+    for name in _SOCKETS:
+        try:
+            os.unlink(os.path.join(path, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def remove_stale_ipc_dirs(roots: list[str] | None = None) -> list[str]:
+    """Remove the socket folders of this user's servers that are gone (a SIGKILL or a crash left them): the
+    owner pid in the name no longer runs (or is another process now) and no one listens on its sockets.
+    Returns the folders removed."""
+    removed = []
+    for path in [p for root in roots or _ipc_roots() for p in Path(root).glob("redraft-*")]:
+        m = _IPC_DIR.fullmatch(path.name)
+        try:
+            if not m or not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if not _owner_gone(int(m.group(1)), m.group(2)):
+            continue
+        try:
+            if any(child.name not in _SOCKETS for child in path.iterdir()):
+                continue  # not only our sockets: not ours to remove
+        except OSError:
+            continue
+        if any(_socket_listened_on(path / name) for name in _SOCKETS):
+            continue
+        if remove_ipc_dir(path):
+            removed.append(str(path))
+    return removed
+
+
 @dataclass
 class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -67,12 +186,16 @@ class EngineClient:
         self.stats: dict[str, Any] = {}
         self.alive = False
         self.closing = False  # an exit we asked for is not a death
+        self.shutting_down = False  # a SIGTERM/SIGINT arrived: never restart the engine again
         self.proc: mp.process.BaseProcess | None = None
         self._pending: dict[str, _Pending] = {}
         self._waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._aborts: set[asyncio.Task] = set()  # score aborts in flight (a reference keeps each task alive)
-        self._ipc_dir = tempfile.mkdtemp(prefix="redraft-")
+        for path in remove_stale_ipc_dirs():
+            log.info("removed the socket folder of a server that is gone: %s", path)
+        self._ipc_dir = new_ipc_dir()
+        atexit.register(self._remove_ipc_dir)  # the last resort: an exit that skipped close()
         self._to_engine_addr = f"ipc://{self._ipc_dir}/to-engine"
         self._from_engine_addr = f"ipc://{self._ipc_dir}/from-engine"
         self.on_finished: list = []  # callbacks(RequestOutput) for metrics
@@ -87,12 +210,14 @@ class EngineClient:
         behind (process, sockets, the socket folder) and RuntimeError says why in one line."""
         try:
             self._start()
-        except BaseException:
+        except BaseException as exc:
             if self.proc is not None and self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5)
             self._sync_ctx.destroy(linger=0)
             self._remove_ipc_dir()
+            if isinstance(exc, zmq.ZMQError):
+                raise RuntimeError(f"cannot open the engine's sockets in {self._ipc_dir}: {exc}") from None
             raise
 
     def _start(self) -> None:
@@ -123,7 +248,7 @@ class EngineClient:
         self.alive = True
 
     def _spawn(self) -> None:
-        self.proc = mp.get_context("spawn").Process(
+        proc = mp.get_context("spawn").Process(
             target=run_engine_process,
             args=(self.args, self._to_engine_addr, self._from_engine_addr),
             name="redraft-engine",
@@ -131,7 +256,9 @@ class EngineClient:
             # It still exits when this process goes (it watches its parent) and close() ends it.
             daemon=self.args.tp_size == 1,
         )
-        self.proc.start()
+        with group_signals_blocked():  # a SIGTERM to the group while it starts up is ours to handle, not its
+            proc.start()
+        self.proc = proc
 
     async def connect(self) -> None:
         """Open the asyncio sockets and start the receive and watchdog loops (inside the server's loop)."""
@@ -141,6 +268,7 @@ class EngineClient:
         self._send = self._ctx.socket(zmq.PUSH)
         self._send.bind(self._to_engine_addr)
         self._dead = asyncio.Event()  # set by the watchdog: sends stop waiting for a peer that is gone
+        self._no_restarts = asyncio.Event()  # set by begin_shutdown: a restart's pause ends, and so does it
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watchdog())]
 
     async def close(self) -> None:
@@ -166,15 +294,36 @@ class EngineClient:
         self._remove_ipc_dir()
 
     def _remove_ipc_dir(self) -> None:
-        for name in ("to-engine", "from-engine"):
-            try:
-                os.unlink(os.path.join(self._ipc_dir, name))
-            except OSError:
-                pass
-        try:
-            os.rmdir(self._ipc_dir)
-        except OSError:
-            pass
+        remove_ipc_dir(self._ipc_dir)
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping (its first SIGTERM/SIGINT): the engine is never restarted from now on, and a
+        restart already under way is abandoned (its new process killed) by `_restart` itself."""
+        self.shutting_down = True  # the signal handler has set it already; this also serves other callers
+        if hasattr(self, "_no_restarts"):
+            self._no_restarts.set()
+
+    def kill_now(self) -> None:
+        """Stop at once (a second signal): SIGKILL the engine (it ignores SIGTERM; its ranks die with it) and
+        remove the socket folder; nothing more is sent to it. Safe in a signal handler; then, in the event loop,
+        `end_all` ends the requests that were running."""
+        self.shutting_down = self.closing = True
+        self.alive = False
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+        self._remove_ipc_dir()
+
+    def end_all(self, reason: EngineDead) -> None:
+        """After kill_now (in the event loop): every request still waiting ends with `reason` at once."""
+        if hasattr(self, "_dead"):
+            self._fail_in_flight(reason)
+
+    def release(self) -> None:
+        """After the event loop has ended: close the asyncio sockets at once (a message queued for a dead engine
+        must not hold the exit) and remove the socket folder. close() does this on an orderly shutdown."""
+        if hasattr(self, "_ctx") and not self._ctx.closed:
+            self._ctx.destroy(linger=0)
+        self._remove_ipc_dir()
 
     def kill_engine_for_tests(self) -> None:
         if self.proc is not None:
@@ -222,9 +371,12 @@ class EngineClient:
                     return
                 log.error("the engine process died (exit code %s): failing every request", self.proc.exitcode)
                 self._fail_in_flight()
+                if self.shutting_down:
+                    log.warning("the server is shutting down: the engine is not restarted")
+                    return
                 if await self._restart():
                     continue
-                if not self.closing:
+                if not self.closing and not self.shutting_down:
                     log.error("the engine could not be restarted after %d attempts: the server exits",
                               self.max_restarts)
                     self.failed = True
@@ -232,14 +384,16 @@ class EngineClient:
                         callback()
                 return
 
-    def _fail_in_flight(self) -> None:
+    def _fail_in_flight(self, reason: EngineDead | None = None) -> None:
+        """The engine is gone: every request and waiter fails at once with `reason` (a death by default)."""
+        reason = reason or EngineDead("the engine process died")
         self.alive = False
         self._dead.set()
         for pending in self._pending.values():
-            pending.queue.put_nowait(EngineDead("the engine process died"))
+            pending.queue.put_nowait(reason)
         for waiter in self._waiters.values():
             if not waiter.done():
-                waiter.set_exception(EngineDead("the engine process died"))
+                waiter.set_exception(reason)
         self._waiters.clear()
         for callback in self.on_down:
             callback()
@@ -260,14 +414,24 @@ class EngineClient:
         for attempt in range(1, self.max_restarts + 1):
             pause = min(2.0 ** (attempt - 1), 10.0)
             log.warning("restarting the engine in %.0fs (attempt %d of %d)", pause, attempt, self.max_restarts)
-            await asyncio.sleep(pause)
-            if self.closing:
+            with contextlib.suppress(asyncio.TimeoutError):  # the pause ends early when shutdown begins
+                await asyncio.wait_for(self._no_restarts.wait(), pause)
+            if self.closing or self.shutting_down:
+                log.warning("restart cancelled: the server is shutting down")
                 return False
             self._ready = asyncio.get_running_loop().create_future()
             self._spawn()
             deadline = time.monotonic() + self.startup_timeout
-            while not self._ready.done() and self.proc.is_alive() and time.monotonic() < deadline:
+            while (not self._ready.done() and self.proc.is_alive() and time.monotonic() < deadline
+                   and not self.shutting_down):
                 await asyncio.wait({self._ready}, timeout=0.2)
+            if self.shutting_down:  # a signal came while the new engine started: it is not wanted any more
+                log.warning("restart cancelled: the server is shutting down")
+                self._ready.cancel()  # whatever the new engine reports now is of no interest
+                if self.proc.is_alive():
+                    self.proc.kill()
+                await asyncio.to_thread(self.proc.join, 5)
+                return False
             if self._ready.done() and self._ready.exception() is None:
                 self.info = self._ready.result()
                 self.restarts += 1

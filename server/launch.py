@@ -1,19 +1,26 @@
 """`redraft serve`: start the engine process, then the HTTP server in this process.
 
-SIGINT/SIGTERM stop uvicorn gracefully; its shutdown hook stops the engine process (and kills it if it
-does not stop in time). The engine process also exits by itself if this process disappears.
+This process alone acts on SIGINT/SIGTERM, also when a supervisor signals the whole process group (the engine
+and its ranks ignore both: engine/child_process.py): the first signal drains (`DrainingServer`), then uvicorn's
+shutdown hook stops the engine process (ShutdownReq; killed if it does not stop in time); a second signal stops
+at once and kills the children. On the way out every child process still there is ended and the socket folder
+removed, whatever the exit path. The engine also dies by itself if this process disappears (a SIGKILL).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from redraft.engine.child_process import end_children
 from redraft.engine.defaults import resolve_model_path
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.server_args import ServerArgs
@@ -27,26 +34,48 @@ log = logging.getLogger("redraft.serve")
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a drain before it stops: the first SIGTERM/SIGINT stops admitting (503 in OpenAI's shape,
-    /health 503), lets running requests finish for up to `drain_timeout` seconds, ends the rest with a 503 (or
-    an SSE error event), then lets uvicorn shut down. A second signal stops at once."""
+    /health 503) and ends engine restarts, lets running requests finish for up to `drain_timeout` seconds, ends
+    the rest with a 503 (or an SSE error event), then lets uvicorn shut down. A second signal stops at once: it
+    kills the engine and ends the running requests the same way. No signal is re-raised after the shutdown
+    (uvicorn's habit): the exit code is 0."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
         super().__init__(config)
         self.state, self.drain_timeout = state, drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping_now = False  # a second signal came
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.state.draining or self._loop is None:
+        if self._loop is None:
             return super().handle_exit(sig, frame)
+        if self.state.draining:
+            return self._stop_now(sig)
         self.state.draining = True
+        self.state.client.shutting_down = True  # at once: the watchdog must not restart an engine from now on
+        log.info("%s: shutting down", signal.Signals(sig).name)
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    def _stop_now(self, sig: int) -> None:
+        """A second signal: no more waiting. The engine is killed, the requests still running end at once (503,
+        or the SSE error event), and uvicorn stops as soon as they have; a third signal skips even that."""
+        client = self.state.client
+        if self._stopping_now:
+            log.warning("%s again: exiting without waiting for the connections", signal.Signals(sig).name)
+            self.should_exit = self.force_exit = True
+            return
+        self._stopping_now = True
+        log.warning("%s again: stopping now (%d requests ended)", signal.Signals(sig).name, client.num_in_flight)
+        client.kill_now()
+        self._loop.call_soon_threadsafe(client.end_all, ServerDraining("the server is shutting down"))
+        self.should_exit = True
 
     async def _drain(self) -> None:
         client = self.state.client
+        client.begin_shutdown()
         log.info("draining: %d requests in flight, up to %.0fs to finish", client.num_in_flight, self.drain_timeout)
         deadline = time.monotonic() + self.drain_timeout
         while client.num_in_flight and time.monotonic() < deadline:
@@ -60,23 +89,42 @@ class DrainingServer(uvicorn.Server):
 
 def serve(args: ServerArgs) -> int:
     domains = parse_domains(args.domains)  # before the engine starts: a bad flag fails at once
-    model_path = resolve_model_path(args.model_path, args.revision)  # a hub id is fetched (or found) here, once
+    client: EngineClient | None = None
+    with _StartupSignals() as startup:
+        try:
+            args, name = _resolve_model(args)
+            tokenizer = Tokenizer.from_pretrained(args.model_path, args.chat_template)
+            log.info("starting the engine process for %s", args.model_path)
+            client = EngineClient(args, max_restarts=args.engine_restarts)
+            client.start()  # on failure it leaves nothing behind
+            return _serve(args, client, tokenizer, name, domains)
+        except _StoppedDuringStartup as stop:
+            log.warning("%s: stopped at once", signal.Signals(stop.sig).name)
+            return 0
+        finally:
+            startup.armed = False  # the cleanup below is bounded: a signal now must not cut it short
+            if client is not None:
+                _end_children(client)
+
+
+def _resolve_model(args: ServerArgs) -> tuple[ServerArgs, str]:
+    """The checkpoint's folder (a hub id is fetched, or found in the cache, here, once) and the name clients use:
+    the repo id for a hub model (its snapshot folder is a commit hash), else the folder's."""
+    model_path = resolve_model_path(args.model_path, args.revision)
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint (config.json) in {model_path}")
-    # the name clients use: the repo id for a hub model (its snapshot folder is a commit hash), else the folder's
     hub_id = args.model_path is not None and not Path(args.model_path).expanduser().is_dir()
     name = args.served_model_name or (args.model_path if hub_id else model_path.name)
-    args = args.replace(model_path=str(model_path))
-    tokenizer = Tokenizer.from_pretrained(model_path, args.chat_template)
-    log.info("starting the engine process for %s", model_path)
-    client = EngineClient(args, max_restarts=args.engine_restarts)
-    client.start()
+    return args.replace(model_path=str(model_path)), name
+
+
+def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: str, domains: Any) -> int:
     info = client.info
     log.info(
         "engine ready: %.1fM params, %s on %s, KV cache %d tokens, context %d",
         info["num_params"] / 1e6, info["dtype"], info["device"], info["max_total_tokens"], info["max_model_len"],
     )
-    state = ServerState(client, tokenizer, name, str(model_path), args.api_key, args.max_body_bytes, domains=domains,
+    state = ServerState(client, tokenizer, name, args.model_path, args.api_key, args.max_body_bytes, domains=domains,
                         max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key)
     app = create_app(state)
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
@@ -84,12 +132,53 @@ def serve(args: ServerArgs) -> int:
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, state, args.shutdown_timeout)
     client.on_fatal.append(lambda: setattr(server, "should_exit", True))  # the engine is gone for good
-    try:
-        server.run()
-    finally:
-        if client.proc is not None and client.proc.is_alive():
-            client.proc.kill()
+    server.run()
     if client.failed:
         log.error("exiting: the engine process died and could not be restarted")
         return 1
     return 0
+
+
+class _StoppedDuringStartup(BaseException):  # like KeyboardInterrupt: no `except Exception` may swallow it
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.sig = sig
+
+
+class _StartupSignals:
+    """From the engine's start (minutes for a large model) until uvicorn's own handlers take over, SIGTERM/SIGINT
+    end the start-up by an exception, so that the cleanup runs (the default SIGTERM would skip it and leave the
+    socket folder). uvicorn puts this handler back when it stops; from the cleanup on (`armed` False) a signal
+    is ignored. Only the main thread may set handlers: elsewhere this does nothing."""
+
+    def __init__(self) -> None:
+        self.armed = True
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, sig: int, frame: Any) -> None:
+        if self.armed:
+            self.armed = False
+            raise _StoppedDuringStartup(sig)
+        log.info("%s while stopping: ignored, the cleanup is bounded", signal.Signals(sig).name)
+
+    def __enter__(self) -> "_StartupSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def _end_children(client: EngineClient) -> None:
+    """On every way out: no child process outlives the server (the engine, its ranks with it, helper pools),
+    and the socket folder goes. The engine was asked to stop by uvicorn's shutdown hook, unless the exit skipped
+    it (a second signal, an error): it is killed now."""
+    client.kill_now()
+    client.release()
+    log.debug("ending the child processes still running: %s", [c.name for c in mp.active_children()])
+    killed = end_children(grace_s=2.0)
+    if killed:
+        log.warning("killed child processes that did not stop in time: %s", ", ".join(killed))
+    log.debug("every child process has ended")

@@ -112,8 +112,9 @@ class RedraftServer:
     model None: no --model flag (the bundled demo model). env: added to the environment (None removes)."""
 
     def __init__(self, model: Path | None, log_dir: Path, extra_args: list[str],
-                 env: dict[str, str | None] | None = None):
+                 env: dict[str, str | None] | None = None, new_session: bool = False):
         self.model, self.extra_args = model, extra_args
+        self.new_session = new_session  # its own process group (pgid = its pid), as a supervisor would start it
         self.env_changes = env or {}
         self.log_path = log_dir / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -147,7 +148,8 @@ class RedraftServer:
             cmd = [sys.executable, "-m", "redraft", "serve", *model, "--host", "127.0.0.1", "--port", str(self.port),
                    "--log-level", "warning", *self.extra_args]
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=self.new_session)
             if self._wait_healthy():
                 self.record_descendants()
                 return self
