@@ -23,13 +23,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _port(text: str) -> int:
-    """argparse type of --port: an integer in 1..65535, or a clear error."""
+    """argparse type of --port: an integer in 0..65535 (0: any free port), or a clear error."""
     try:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is outside 1..65535")
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535")
     return port
 
 

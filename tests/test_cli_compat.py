@@ -53,7 +53,7 @@ def test_two_models_are_an_error() -> None:
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["--port", "99999"], "--port: 99999 is outside 1..65535"),
+    (["--port", "99999"], "--port: 99999 is outside 0..65535"),
     (["--port", "http"], "is not a port number"),
     (["--log-level", "debugg"], "--log-level: invalid choice: 'debugg'"),
     (["--dp-size", "2"], "--dp-size is not supported: data parallelism is replicas behind smg"),
