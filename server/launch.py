@@ -10,9 +10,11 @@ removed, whatever the exit path. The engine also dies by itself if this process 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import multiprocessing as mp
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -87,8 +89,28 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything is loaded: a wrong --host or a busy --port is an error in a
+    second, not after minutes of loading weights. uvicorn listens on it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on ({exc})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        busy = " (is another server running there? choose another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}{busy}") from None
+    return sock
+
+
 def serve(args: ServerArgs) -> int:
     domains = parse_domains(args.domains)  # before the engine starts: a bad flag fails at once
+    listener = bind_listener(args.host, args.port)
     client: EngineClient | None = None
     with _StartupSignals() as startup:
         try:
@@ -97,7 +119,7 @@ def serve(args: ServerArgs) -> int:
             log.info("starting the engine process for %s", args.model_path)
             client = EngineClient(args, max_restarts=args.engine_restarts)
             client.start()  # on failure it leaves nothing behind
-            return _serve(args, client, tokenizer, name, domains)
+            return _serve(args, client, tokenizer, name, domains, listener)
         except _StoppedDuringStartup as stop:
             log.warning("%s: stopped at once", signal.Signals(stop.sig).name)
             return 0
@@ -105,6 +127,7 @@ def serve(args: ServerArgs) -> int:
             startup.armed = False  # the cleanup below is bounded: a signal now must not cut it short
             if client is not None:
                 _end_children(client)
+            listener.close()
 
 
 def _resolve_model(args: ServerArgs) -> tuple[ServerArgs, str]:
@@ -118,7 +141,8 @@ def _resolve_model(args: ServerArgs) -> tuple[ServerArgs, str]:
     return args.replace(model_path=str(model_path)), name
 
 
-def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: str, domains: Any) -> int:
+def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: str, domains: Any,
+           listener: socket.socket) -> int:
     info = client.info
     log.info(
         "engine ready: %.1fM params, %s on %s, KV cache %d tokens, context %d",
@@ -127,16 +151,30 @@ def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: s
     state = ServerState(client, tokenizer, name, args.model_path, args.api_key, args.max_body_bytes, domains=domains,
                         max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key)
     app = create_app(state)
-    log.info("serving %r on http://%s:%d", name, args.host, args.port)
+    log.info("settings: %s", effective_settings(args, info, name))
+    log.info("serving %r on http://%s:%d", name, args.host, listener.getsockname()[1])
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, state, args.shutdown_timeout)
     client.on_fatal.append(lambda: setattr(server, "should_exit", True))  # the engine is gone for good
-    server.run()
+    server.run(sockets=[listener])
     if client.failed:
         log.error("exiting: the engine process died and could not be restarted")
         return 1
     return 0
+
+
+def effective_settings(args: ServerArgs, info: dict[str, Any], name: str) -> str:
+    """One line of what this server runs with, for the start-up log."""
+    parts = {
+        "model": f"{name} ({info['model_path']})", "device": info["device"], "dtype": info["dtype"],
+        "kernels": info["kernel_backend"], "threads": args.cpu_threads or "torch's choice",
+        "default mode": info.get("default_mode"), "context": info["max_model_len"],
+        "KV cache tokens": info["max_total_tokens"], "max running": info["max_running_requests"],
+        "tp": args.tp_size, "auth": "on" if args.api_key else "off",
+        "dials through a router": "chat_template_kwargs / metadata / sampling_params.custom_params (docs/scaling.md)",
+    }
+    return ", ".join(f"{k} {v}" for k, v in parts.items())
 
 
 class _StoppedDuringStartup(BaseException):  # like KeyboardInterrupt: no `except Exception` may swallow it

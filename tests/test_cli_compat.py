@@ -100,3 +100,20 @@ def test_context_longer_than_the_checkpoint_is_refused(ckpt: Path) -> None:
 
     with pytest.raises(ValueError, match="longer than this checkpoint's max_position_embeddings"):
         redraft.Engine(str(ckpt), context_length=10**7, progress=False)
+
+
+def test_a_busy_port_or_a_bad_host_fails_before_anything_loads(ckpt: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv, says in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}: Address already in use"),
+                           (["--host", "0.0.0.0.0"], "--host '0.0.0.0.0' is not an address")):
+            t0 = time.monotonic()
+            res = subprocess.run([sys.executable, "-m", "redraft", "serve", str(ckpt), "--log-level", "info", *argv],
+                                 capture_output=True, text=True, timeout=60)
+            assert res.returncode == 2 and says in res.stderr, res.stderr
+            assert "starting the engine" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+            assert time.monotonic() - t0 < 15, "the failure waited for something"
