@@ -272,6 +272,9 @@ class EngineCore:
     def fail(self, rid: str, exc: BaseException, stage: str) -> None:
         """End one request with an error finish (`finish_reason` error, the reason in its message): a failure
         inside the engine that concerns it alone. Its pages are released at once; the batch runs on."""
+        if self._tp_workers is not None and any(not p.is_alive() for p in self._tp_workers.procs):
+            # not this request's failure: a rank is gone, and a collective broke on it; restart the ranks
+            raise EngineFault(f"a tensor-parallel rank died ({stage} of request {rid}: {describe(exc)})") from exc
         log.error("request %s failed in %s: %s", rid, stage, describe(exc))
         log.debug("request %s failed in %s", rid, stage, exc_info=exc)
         self.num_request_failures += 1
@@ -317,6 +320,8 @@ class EngineCore:
             self._fault_streak = ("", set())
             return [(items, out)]
         except Exception as exc:  # noqa: BLE001 - attributed below, or an EngineFault
+            if self._tp_workers is not None:  # the ranks are out of step (or one is gone): restart them all
+                raise EngineFault(f"a tensor-parallel forward failed: {describe(exc)}") from exc
             if len(items) == 1:
                 self._note_batch_failure(items[0].req.rid, exc)
                 self.fail(items[0].req.rid, exc, "forward")

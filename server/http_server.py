@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import uuid
+from importlib.metadata import version as package_version
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -25,7 +26,6 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from redraft import __version__
 from redraft.engine.output_stream import OutputStream
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.dials import DIALS, DialError, lift_dials
@@ -185,7 +185,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        return {"version": __version__}
+        return {"version": package_version("redraft")}
 
     @app.get("/health")
     async def health():

@@ -250,20 +250,27 @@ def test_a_dial_changes_the_answer_the_router_returns(fleet) -> None:
 
 
 def test_streamed_answers_carry_the_dials_too(fleet) -> None:
+    """Every dial, streamed through the router in the spelling both routers keep on chat (chat_template_kwargs):
+    the routed stream's text and finish equal the direct stream's; an invalid value is a 400 before streaming."""
     url, replicas, _ = fleet
-    body = {"model": "demo_model", "temperature": 0, "max_tokens": 32, "stream": True,
-            "messages": [{"role": "user", "content": "Count from 10 to 30."}],
-            "chat_template_kwargs": {"mode": "S", "threshold": 0.9}}
+    base = {"model": "demo_model", "temperature": 0, "max_tokens": 40, "stream": True,
+            "messages": [{"role": "user", "content": "Count from 10 to 30."}]}
 
-    def text(base: str) -> str:
-        out = ""
-        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as s:
-            assert s.status_code == 200
+    def stream(root: str, body: dict) -> tuple[str, list]:
+        text, finishes = "", []
+        with httpx.stream("POST", root + "/v1/chat/completions", json=body, timeout=60) as s:
+            assert s.status_code == 200, s.read()[:300]
             for line in s.iter_lines():
                 if line.startswith("data: {"):
-                    out += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:]).get("choices", []))
-        return out
+                    for c in json.loads(line[6:]).get("choices", []):
+                        text += c["delta"].get("content") or ""
+                        finishes += [c["finish_reason"]] if c.get("finish_reason") else []
+        return text, finishes
 
-    assert text(url) == text(replicas[0].url) != ""
-    bad = httpx.post(url + "/v1/chat/completions", json={**body, "chat_template_kwargs": {"mode": "Z"}}, timeout=60)
-    assert bad.status_code == 400
+    for name, value in VALID.items():
+        body = {**base, "chat_template_kwargs": {name: value}}
+        routed = stream(url, body)
+        assert routed == stream(replicas[0].url, body) and routed[0] and len(routed[1]) == 1, name
+        bad = httpx.post(url + "/v1/chat/completions", json={**base, "chat_template_kwargs": {name: INVALID[name]}},
+                         timeout=60)
+        assert bad.status_code == 400, (name, bad.text[:300])
