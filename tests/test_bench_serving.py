@@ -30,6 +30,7 @@ def test_percentile_and_prompts():
     assert all(4 <= len(p.split()) <= 9 for p in a)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_launch_tiny_two_levels(tmp_path):
     out = tmp_path / "rows.json"

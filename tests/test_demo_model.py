@@ -126,6 +126,7 @@ def test_serve_with_no_arguments_answers_through_the_openai_api(request, tmp_pat
         client.close()
 
 
+@pytest.mark.slow
 def test_fp8_tokens_agree_with_bf16_on_the_demo_model(capsys):
     """Issue 7's criterion, on a trained model (the random tiny one amplifies any rounding): greedy outputs of
     quantization="fp8" against bf16 over a fixed prompt set (held-out task problems), Q and S."""

@@ -66,6 +66,7 @@ def engines(tiny):
     tri.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["S", "Q"])
 def test_triton_backend_reproduces_torch_tokens(engines, mode):
     """All five prompts in one batch (ragged prefill windows, then denoising steps). In mode S the denoising
@@ -94,6 +95,7 @@ def test_triton_backend_reproduces_torch_tokens(engines, mode):
         assert tri.runner.k_cache.shape[1] == tri.pool.num_pages + 1  # the scratch page: beyond the pool's pages
 
 
+@pytest.mark.slow
 def test_triton_backend_with_mbe_windows(engines):
     """Multi-block editing on the Triton kernel (bidirectional windows, prefill rows of committed blocks in the
     same launch): the torch backend's tokens, W = 2 and 3 mixed in one batch."""
@@ -107,6 +109,7 @@ def test_triton_backend_with_mbe_windows(engines):
     assert sum(a["meta_info"]["mbe_edits"] for a in want) > 0, "no multi-block edit happened: nothing was tested"
 
 
+@pytest.mark.slow
 def test_cli_generate_with_triton_backend(tiny, capsys):
     """`redraft generate --kernel-backend triton` (in-process: this process already runs Triton interpreted)."""
     from redraft.cli import main

@@ -68,6 +68,7 @@ def _abort_soon(url: str, rid: str, delay: float = 1.0) -> threading.Thread:
     return t
 
 
+@pytest.mark.slow
 def test_an_admin_abort_ends_with_a_valid_finish_and_an_error(keyed) -> None:
     with httpx.Client(base_url=keyed.url, timeout=60, trust_env=False, headers=_auth(KEY)) as http:
         # non-streamed: an error in OpenAI's shape, not a 200 with finish_reason "abort"
@@ -123,6 +124,7 @@ def test_a_killed_engine_is_restarted_in_place(ckpt, tmp_path) -> None:
         srv.stop()
 
 
+@pytest.mark.slow
 def test_an_engine_that_cannot_restart_makes_the_server_exit_non_zero(ckpt, tmp_path) -> None:
     import os
     import shutil
@@ -204,6 +206,7 @@ def _live_latency(url: str, stop: threading.Event, out: list[float]) -> None:
 SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
+@pytest.mark.slow
 def test_huge_prompts_and_slow_templates_never_block_the_loop(ckpt, tmp_path) -> None:
     import shutil
     import signal
@@ -245,6 +248,7 @@ def test_huge_prompts_and_slow_templates_never_block_the_loop(ckpt, tmp_path) ->
 
 
 # ---- start failures: one clear line, nothing left behind ----------------------------------------------------
+@pytest.mark.slow
 def test_start_failures_print_one_line_and_leave_nothing(ckpt, tmp_path) -> None:
     import os
     import shutil

@@ -196,6 +196,7 @@ def drain_by_group_signal(srv: RedraftServer, scratch: Path, sig: int, processes
     assert_log_clean(srv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_group_drains_the_streams_and_leaves_nothing(ckpt, tmp_path, scratch, sig) -> None:
     drain_by_group_signal(start(ckpt, tmp_path, scratch, sig.name), scratch, sig, processes=2)
@@ -307,6 +308,7 @@ def test_an_engine_death_during_the_drain_is_not_restarted(ckpt, tmp_path, scrat
     assert not socket_dirs(scratch)
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_removes_its_folder(
         ckpt, tmp_path, scratch) -> None:
     srv = start(ckpt, tmp_path, scratch, "killed")

@@ -229,6 +229,7 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-seed0", seed=0)
 
 
+@pytest.mark.slow
 def test_engine_with_fused_moe_reproduces_torch_tokens(tiny):
     """kernel_backend="triton" (Triton attention + the fused Triton MoE, interpreted) vs the torch backend, in
     float32: the same tokens and the same number of forwards for prompts ending inside, on and past a block
