@@ -4,7 +4,6 @@ accepted and ignored (each said once in the log), an explicit null means absent,
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import pytest

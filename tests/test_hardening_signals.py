@@ -7,6 +7,7 @@ a second signal stops at once; a SIGKILLed server leaves no engine, and its sock
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,6 +36,12 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 # ---- processes and folders -------------------------------------------------------------------------------------
+def kill_group(pgid: int) -> None:
+    """SIGKILL whatever is left of the group (all at once: no race with a member exiting meanwhile)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def group_members(pgid: int) -> dict[int, bytes]:
     """pid -> command line of every live process (zombies aside) in process group `pgid`, from /proc."""
     out = {}
@@ -174,8 +181,7 @@ def drain_by_group_signal(srv: RedraftServer, scratch: Path, sig: int, processes
         exit_s = time.monotonic() - t0
     finally:
         srv.stop(check=False)
-        for pid in group_members(pgid):  # never leave a stray process, even when failing
-            os.kill(pid, signal.SIGKILL)
+        kill_group(pgid)  # never leave a stray process, even when failing
     assert code == 0, f"exit code {code}; log:\n{srv.log_tail()}"
     assert exit_s < DRAIN_S + EXIT_MARGIN_S
     assert len(long_out) == LONG and len(short_out) == SHORT
@@ -241,8 +247,7 @@ def test_a_second_signal_stops_at_once_and_kills_the_children(ckpt, tmp_path, sc
         long_out += short_out
     finally:
         srv.stop(check=False)
-        for pid in group_members(pgid):
-            os.kill(pid, signal.SIGKILL)
+        kill_group(pgid)
     assert code == 0, srv.log_tail()
     assert stop_s < 3.0, f"the second signal took {stop_s:.1f}s to stop the server"
     assert len(long_out) == LONG + SHORT
@@ -272,8 +277,7 @@ def test_no_restart_once_shutdown_has_begun(ckpt, tmp_path, scratch) -> None:
         code = srv.proc.wait(DRAIN_S + EXIT_MARGIN_S)
     finally:
         srv.stop(check=False)
-        for pid in group_members(pgid):
-            os.kill(pid, signal.SIGKILL)
+        kill_group(pgid)
     log = srv.log_tail(200_000)
     assert code == 0, log
     assert "restart cancelled" in log, log
@@ -297,8 +301,7 @@ def test_an_engine_death_during_the_drain_is_not_restarted(ckpt, tmp_path, scrat
             t.join(10)
     finally:
         srv.stop(check=False)
-        for pid in group_members(pgid):
-            os.kill(pid, signal.SIGKILL)
+        kill_group(pgid)
     log = srv.log_tail(200_000)
     assert code == 0, log
     assert "not restarted" in log and "restarting" not in log, log
@@ -331,8 +334,7 @@ def test_sigkill_of_the_server_leaves_no_engine_and_the_next_start_removes_its_f
         assert dead.is_dir(), "a SIGKILL leaves the folder (nothing can run then)"
     finally:
         srv.stop(check=False)
-        for pid in group_members(pgid):
-            os.kill(pid, signal.SIGKILL)
+        kill_group(pgid)
     nxt = RedraftServer(ckpt, tmp_path, ["--shutdown-timeout", str(DRAIN_S)], env={"TMPDIR": str(scratch)},
                         new_session=True).start()
     try:

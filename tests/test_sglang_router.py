@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -245,8 +244,8 @@ def test_a_dial_changes_the_answer_the_router_returns(fleet) -> None:
     direct = httpx.post(replicas[0].url + "/v1/chat/completions", json=slow, timeout=60).json()
     assert routed["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
     assert direct["diffusion"]["forwards"] > plain["diffusion"]["forwards"]
-    if "diffusion" in routed:  # (a router may drop fields it does not know from the answer)
-        assert routed["diffusion"]["forwards"] == direct["diffusion"]["forwards"]
+    # both routers hand the answer's `diffusion` object back unchanged (measured with a recording worker)
+    assert routed["diffusion"]["forwards"] == direct["diffusion"]["forwards"]
 
 
 def test_streamed_answers_carry_the_dials_too(fleet) -> None:
