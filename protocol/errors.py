@@ -15,9 +15,10 @@ INVALID_REQUEST = "invalid_request_error"  # OpenAI's error type of a client's m
 SERVER_ERROR = "server_error"  # and of the server's (a 5xx)
 
 
-class RequestError(Exception):
+class RequestError(ValueError):
     """A request refused or failed: HTTP `status`, OpenAI's error `type` (from the status unless given) and
-    `code`, the offending `param`, the `message`, and HTTP `headers` to send with the answer (Retry-After)."""
+    `code`, the offending `param`, the `message`, and HTTP `headers` to send with the answer (Retry-After).
+    A ValueError: the offline Engine's callers catch a bad input as one."""
 
     def __init__(self, message: str, *, status: int = 400, code: str | None = None, param: str | None = None,
                  type_: str | None = None, headers: dict[str, str] | None = None):

@@ -1,7 +1,8 @@
 """The HTTP process's app: FastAPI wired to the routers of every route group, talking to the engine process over
 ZMQ through the ServerState's EngineClient.
 
-    native_api      /generate, /abort_request, /flush_cache, /health, /live, /server_info, /model_info, /metrics
+    native_api      /generate, /abort_request, /flush_cache, /health, /live, /server_info, /model_info, /metrics,
+                    /version
     openai_api      /v1/models, /v1/chat/completions, /v1/completions
     likelihood_api  /score, /tokenize, /detokenize, /tokenizer_info
     responses_api   /v1/responses

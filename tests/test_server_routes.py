@@ -76,6 +76,7 @@ def test_one_error_type_from_the_engine_to_the_answer() -> None:
     copy = pickle.loads(pickle.dumps(RequestError("gone", status=503, code="x", headers={"Retry-After": "2"})))
     assert (copy.status, copy.code, copy.type, copy.headers) == (503, "x", "server_error", {"Retry-After": "2"})
     assert duplicate_request_id("a").message == "request id 'a' is already in flight"
+    assert isinstance(refused, ValueError)  # the offline Engine's callers catch bad input as a ValueError
 
 
 def test_each_route_names_the_engines_fields_its_own_way() -> None:
