@@ -5,7 +5,7 @@ The offline `redraft.Engine` and the engine process (`engine_process.py`, behind
 this class and nothing else: a request is validated, resolved, scheduled, decoded and reported here only.
 
     core = EngineCore(ServerArgs(...))
-    core.add_request(rid, input_ids, SamplingParams(...))   # -> Accepted, or raises RequestRejected
+    core.add_request(rid, input_ids, SamplingParams(...))   # -> Accepted, or raises RequestError
     while core.has_work():
         for out in core.step():                             # RequestOutput: what each request committed
             ...
@@ -35,6 +35,7 @@ from redraft.engine.sharding import RankLayout, check_layout
 from redraft.engine.model_runner import ModelRunner
 from redraft.engine.scoring import CHUNK_TOKENS, ScoreJob, TimeShare
 from redraft.engine.tokenizer import Tokenizer
+from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, RequestOutput, ScoreResult
 from redraft.protocol.sampling_params import BLOCK_SIZE, Defaults, SamplingParams, resolve
 from redraft.protocol.server_args import ServerArgs
@@ -51,16 +52,6 @@ FAULT_STREAK = 3  # batch failures in a row, each of a whole batch and alike, th
 
 class EngineFault(RuntimeError):
     """A failure of the engine itself (not of one request): the loop lets it propagate."""
-
-
-class RequestRejected(ValueError):
-    """A request refused at admission: the HTTP status, an OpenAI error code, and the offending parameter
-    (named as in sampling_params; `input_ids` for the prompt)."""
-
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error",
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
 
 
 @dataclass
@@ -186,41 +177,41 @@ class EngineCore:
 
     # ---- admission: the one place a request is checked and its defaults resolved ----------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Accepted:
-        """Validate, resolve and queue one request; RequestRejected says why not."""
+        """Validate, resolve and queue one request; RequestError says why not."""
         self.faults.check("admit", rid)
         ids = list(input_ids)
         if not ids:
-            raise RequestRejected("the prompt is empty", param="input_ids")
+            raise RequestError("the prompt is empty", param="input_ids")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise RequestRejected(f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="input_ids")
+            raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="input_ids")
         mask_id = self.tokenizer.mask_token_id
         if mask_id in ids:
-            raise RequestRejected(
+            raise RequestError(
                 f"the prompt contains the mask token (id {mask_id}); redraft generates after the prompt and does "
                 "not infill masks inside it", param="input_ids")
         if rid in self._requests:
-            raise RequestRejected(f"request id {rid!r} is already in flight", code="duplicate_request_id", param="rid")
+            raise duplicate_request_id(rid, param="rid")
         if len(ids) >= self.max_model_len:  # no room for even one output token, whatever max_new_tokens says
-            raise RequestRejected(
+            raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens, and the prompt alone has "
                 f"{len(ids)}: no room is left for the completion. Please shorten the prompt.",
                 code="context_length_exceeded", param="input_ids")
         resolved = resolve(params, self.default_levels, prompt_len=len(ids), max_model_len=self.max_model_len)
         if len(ids) + resolved.max_new_tokens > self.max_model_len:
-            raise RequestRejected(
+            raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(ids) + resolved.max_new_tokens} tokens ({len(ids)} in the prompt, {resolved.max_new_tokens} "
                 "for the completion). Please reduce the length of the prompt or completion.",
                 code="context_length_exceeded", param="max_new_tokens")
         bad_bias = next((t for t, _ in resolved.logit_bias if t >= vocab), None)
         if bad_bias is not None:
-            raise RequestRejected(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})",
-                                  param="logit_bias")
+            raise RequestError(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})",
+                               param="logit_bias")
         if resolved.min_tokens > resolved.max_new_tokens:
-            raise RequestRejected(f"min_tokens ({resolved.min_tokens}) is larger than max_new_tokens "
-                                  f"({resolved.max_new_tokens})", param="min_tokens")
+            raise RequestError(f"min_tokens ({resolved.min_tokens}) is larger than max_new_tokens "
+                               f"({resolved.max_new_tokens})", param="min_tokens")
         if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
             resolved = _with_seed(resolved, self._seeds.getrandbits(62))
         req = Request(rid=rid, prompt_ids=ids, params=resolved, mask_id=mask_id,
@@ -230,15 +221,15 @@ class EngineCore:
         try:
             self.scheduler.add_request(req)
         except QueueFull as exc:
-            raise RequestRejected(str(exc), status=503, code="queue_full") from exc
+            raise RequestError(str(exc), status=503, code="queue_full") from exc
         except RequestTooLarge as exc:
-            raise RequestRejected(str(exc), param="max_new_tokens") from exc
+            raise RequestError(str(exc), param="max_new_tokens") from exc
         self._requests[rid] = req
         self._timing[rid] = _Timing(time.monotonic())
         return Accepted(rid, resolved.mode, resolved.max_new_tokens)
 
     def _constraint(self, req: Request) -> Constraint:
-        """The grammar state of a constrained request; RequestRejected naming the field when it does not compile."""
+        """The grammar state of a constrained request; RequestError naming the field when it does not compile."""
         if self._grammars is None:  # built on first use: it reads the whole vocabulary
             t0 = time.perf_counter()
             self._grammars = Grammars.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
@@ -260,7 +251,7 @@ class EngineCore:
             matcher = self._grammars.matcher(field, source)
         except GrammarError as exc:
             log.warning("request %s: %s refused: %s", req.rid, field, exc)
-            raise RequestRejected(str(exc), param=exc.param) from exc
+            raise RequestError(str(exc), param=exc.param) from exc
         return Constraint(matcher, req.prompt_len, frozenset(req.stop_ids()), self.tokenizer.eos_token_id,
                           self.model_config.vocab_size, self._grammars.closers)
 
@@ -419,22 +410,22 @@ class EngineCore:
         """A started likelihood job: masked variants of blocks (likelihood.Variant: block k of a sequence, some
         positions masked, attending the clean blocks before it and itself), read at their targets. The clean
         prefixes come from the radix cache where it has them, are computed block-causally (and cached) where
-        not; each variant writes its own K/V to a scratch page, freed after. RequestRejected when the input is
+        not; each variant writes its own K/V to a scratch page, freed after. RequestError when the input is
         invalid, and (503) when the KV cache cannot hold the work now."""
         vocab = self.model_config.vocab_size
         for seq in sequences:
             if not seq or any(not isinstance(t, int) or not 0 <= t < vocab for t in seq):
-                raise RequestRejected(f"token ids must be in [0, {vocab}) and the text non-empty", param="input_ids")
+                raise RequestError(f"token ids must be in [0, {vocab}) and the text non-empty", param="input_ids")
             if len(seq) > self.max_model_len:
-                raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens; the text "
-                                      f"has {len(seq)}", code="context_length_exceeded", param="input_ids")
+                raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens; the text "
+                                   f"has {len(seq)}", code="context_length_exceeded", param="input_ids")
         if len(variants) > MAX_SCORE_VARIANTS:
-            raise RequestRejected(f"this request needs {len(variants)} block forwards; at most {MAX_SCORE_VARIANTS}",
-                                  param="variants")
+            raise RequestError(f"this request needs {len(variants)} block forwards; at most {MAX_SCORE_VARIANTS}",
+                               param="variants")
         budget = max_tokens or min(self.args.chunked_prefill_size,
                                    CHUNK_TOKENS.get(torch.device(self.args.device).type, CHUNK_TOKENS["cuda"]))
         job = ScoreJob(token, sequences, variants, top_k, budget, BLOCK_SIZE, self.tokenizer.mask_token_id,
-                       RequestRejected)
+                       RequestError)
         try:
             job.start(self.scheduler)
         except BaseException:
@@ -444,9 +435,9 @@ class EngineCore:
 
     def add_score_job(self, token: str, sequences: list[list[int]], variants: list[Any], top_k: int = 0) -> None:
         """Queue a likelihood job; the loop advances it one chunk per step, between decoding iterations, and
-        its ScoreResult comes out of take_score_results. RequestRejected as in new_score_job."""
+        its ScoreResult comes out of take_score_results. RequestError as in new_score_job."""
         if token in self._jobs:
-            raise RequestRejected(f"score job {token!r} is already running", code="duplicate_request_id")
+            raise RequestError(f"score job {token!r} is already running", code="duplicate_request_id")
         self._jobs[token] = self.new_score_job(token, sequences, variants, top_k)
 
     def cancel_score(self, token: str) -> bool:
@@ -476,9 +467,9 @@ class EngineCore:
             self.faults.check("score", token)
             done = job.advance(self.scheduler, self.runner)
             self._score_share.scored(time.monotonic() - t0, decoding)
-        except RequestRejected as exc:
+        except RequestError as exc:
             job.release(self.scheduler)
-            self._score_results.append(ScoreResult(token, None, exc.status, str(exc), exc.code, exc.param))
+            self._score_results.append(ScoreResult.failed(token, exc))
             return
         except Exception as exc:  # noqa: BLE001 - one job's failure must not stop the loop
             log.error("score job %s failed: %s", token, describe(exc))
@@ -496,7 +487,7 @@ class EngineCore:
     def score_variants(self, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
                        max_tokens: int | None = None) -> list[list[tuple[float, list[tuple[int, float]]]]]:
         """A likelihood job run to its end at once (the offline Engine): per variant, (logprob, top
-        alternatives) at each target. RequestRejected as in new_score_job."""
+        alternatives) at each target. RequestError as in new_score_job."""
         job = self.new_score_job("offline", sequences, variants, top_k, max_tokens)
         try:
             while True:
@@ -504,7 +495,7 @@ class EngineCore:
                 if job.advance(self.scheduler, self.runner):
                     break
                 if job.chunks_run == before:  # no scratch page (requests hold them): nothing frees one here
-                    raise RequestRejected("the KV cache is full: try again", status=503, code="cache_full")
+                    raise RequestError("the KV cache is full: try again", status=503, code="cache_full")
         finally:
             job.release(self.scheduler)
         return job.results

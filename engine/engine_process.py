@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from redraft.engine.child_process import end_children, parent_alive, shield_from_group_signals
+from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import (
     AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong, Rejected,
     ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
@@ -66,9 +67,6 @@ def run_engine_process(args: ServerArgs, recv_addr: str, send_addr: str) -> None
 
 class EngineLoop:
     def __init__(self, core, recv: zmq.Socket, send: zmq.Socket, parent_pid: int):
-        from redraft.engine.core import RequestRejected  # loaded in this process only
-
-        self._rejected_type = RequestRejected
         self.core = core
         self.recv, self.send = recv, send
         self.parent_pid = parent_pid
@@ -128,15 +126,15 @@ class EngineLoop:
         if isinstance(msg, GenerateReq):
             try:
                 self.outbox.append(self.core.add_request(msg.rid, msg.input_ids, msg.params))
-            except self._rejected_type as exc:
-                self.outbox.append(Rejected(msg.rid, exc.status, str(exc), exc.code, exc.param))
+            except RequestError as exc:
+                self.outbox.append(Rejected.of(msg.rid, exc))
         elif isinstance(msg, AbortReq):
             self.core.abort(msg.rid, msg.finish, msg.keep_tokens)
         elif isinstance(msg, ScoreReq):  # a job: advanced one chunk per iteration (core.step), its result later
             try:
                 self.core.add_score_job(msg.token, msg.sequences, msg.variants, msg.top_k)
-            except self._rejected_type as exc:
-                self.outbox.append(ScoreResult(msg.token, None, exc.status, str(exc), exc.code, exc.param))
+            except RequestError as exc:
+                self.outbox.append(ScoreResult.failed(msg.token, exc))
         elif isinstance(msg, ScoreAbortReq):
             self.core.cancel_score(msg.token)
         elif isinstance(msg, FlushCacheReq):

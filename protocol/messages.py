@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from redraft.protocol.errors import INVALID_REQUEST, RequestError
 from redraft.protocol.sampling_params import SamplingParams
 
 
@@ -61,6 +62,14 @@ class ScoreResult:
     code: str | None = None
     param: str | None = None
 
+    @classmethod
+    def failed(cls, token: str, err: RequestError) -> "ScoreResult":
+        return cls(token, None, err.status, err.message, err.code or INVALID_REQUEST, err.param)
+
+    def error(self) -> RequestError:
+        """Why the job failed (results None), as the error the engine raised."""
+        return RequestError(self.message, status=self.status, code=self.code or INVALID_REQUEST, param=self.param)
+
 
 @dataclass
 class FlushCacheReq:
@@ -89,14 +98,22 @@ class Accepted:
 
 @dataclass
 class Rejected:
-    """The engine refused a request at admission: HTTP status, message, OpenAI error code and the offending
-    parameter (named as in sampling_params: the routes rename it to their own field)."""
+    """The engine refused a request at admission: the fields of its RequestError (protocol/errors.py), the
+    parameter named as in sampling_params (the routes rename it to their own field)."""
 
     rid: str
     status: int
     message: str
-    code: str = "invalid_request_error"
+    code: str = INVALID_REQUEST
     param: str | None = None
+
+    @classmethod
+    def of(cls, rid: str, err: RequestError) -> "Rejected":
+        """The message of an engine refusal; one without a code of its own carries its error type as the code."""
+        return cls(rid, err.status, err.message, err.code or INVALID_REQUEST, err.param)
+
+    def error(self) -> RequestError:
+        return RequestError(self.message, status=self.status, code=self.code, param=self.param)
 
 
 @dataclass

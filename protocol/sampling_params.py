@@ -84,7 +84,7 @@ class Defaults:
     mbe_window: int | None = None
 
     def __post_init__(self) -> None:
-        _validate_common(self, "")
+        _validate_common(self)
 
     @classmethod
     def from_generation_config(cls, raw: dict[str, Any]) -> "Defaults":
@@ -173,7 +173,7 @@ class SamplingParams:
         def fail(msg: str, param: str) -> None:
             raise SamplingParamsError(msg, param)
 
-        _validate_common(self, "")
+        _validate_common(self)
         # seed travels to the model runner as an int64 tensor: a larger value would crash its step.
         if self.seed is not None and (not _is_int(self.seed) or not -INT64_MAX - 1 <= self.seed <= INT64_MAX):
             fail("seed must be an integer in [-2^63, 2^63)", "seed")
@@ -241,10 +241,10 @@ def _logit_bias_pairs(raw: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def _validate_common(p: SamplingParams | Defaults, prefix: str) -> None:
+def _validate_common(p: SamplingParams | Defaults) -> None:
     """Ranges of the fields a request and a defaults level share (None always passes)."""
     def fail(msg: str, param: str) -> None:
-        raise SamplingParamsError(prefix + msg, param)
+        raise SamplingParamsError(msg, param)
 
     if p.max_new_tokens is not None and (not _is_int(p.max_new_tokens) or p.max_new_tokens < 1):
         fail("max_new_tokens must be an integer >= 1", "max_new_tokens")

@@ -19,6 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 from redraft.protocol.sampling_params import BLOCK_SIZE
+from redraft.protocol.server_args import ServerArgs
 from redraft.scheduler.page_pool import PagePool
 from redraft.scheduler.radix_cache import RadixCache
 from redraft.scheduler.request import FinishReason, Request, Status
@@ -62,11 +63,12 @@ class RequestTooLarge(ValueError):
 class SchedulerConfig:
     num_pages: int
     block_size: int = BLOCK_SIZE
-    max_running_requests: int = 256
-    max_queued_requests: int | None = None
-    max_prefill_tokens: int = 8192  # prefill-chunk token budget per iteration
-    policy: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
-    enable_prefix_cache: bool = True
+    # the operator's settings: their defaults are ServerArgs' (written once there)
+    max_running_requests: int = ServerArgs.max_running_requests
+    max_queued_requests: int | None = ServerArgs.max_queued_requests
+    max_prefill_tokens: int = ServerArgs.chunked_prefill_size  # prefill-chunk token budget per iteration
+    policy: str = ServerArgs.schedule_policy  # "fcfs" | "lpm" (longest prefix match first)
+    enable_prefix_cache: bool = ServerArgs.enable_prefix_cache
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "lpm"):

@@ -1,4 +1,4 @@
-"""What every route module shares: the server state, the OpenAI error shape, SSE framing, the one way a
+"""What every route module shares: the server state, errors as HTTP answers, SSE framing, the one way a
 request is admitted (`start_streams`: the HTTP status waits until the engine accepted every choice), one
 engine request per output stream (`ChoiceStream`), and the way a request is cancelled (and its engine request
 aborted) when the client goes away."""
@@ -20,28 +20,20 @@ from fastapi.responses import JSONResponse
 from redraft.engine.grammar_sandbox import GrammarSandbox
 from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import Tokenizer
+from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, RequestOutput
 from redraft.protocol.sampling_params import SamplingParams
-from redraft.server.engine_client import EngineClient, EngineDead, EngineRejected, ServerDraining
+from redraft.protocol.server_args import ServerArgs
+from redraft.server.engine_client import EngineClient, EngineDead, ServerDraining
 from redraft.server.metrics import ServerMetrics
+from redraft.server.param_names import RouteNames
 
 log = logging.getLogger("redraft.http")
 
 
-class APIError(Exception):
-    """An error answered with the OpenAI error body."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+def error_response(err: RequestError) -> JSONResponse:
+    """The HTTP answer of an error: OpenAI's error body, its status and headers."""
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 RETRY_AFTER = {"Retry-After": "2"}  # the engine is restarting: try again shortly
@@ -51,9 +43,9 @@ class ServerState:
     """What the routes share: the engine client, the tokenizer, metrics and limits."""
 
     def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str, model_path: str = "",
-                 api_keys: tuple[str, ...] = (), max_body_bytes: int = 8 * 2**20,
-                 domains: tuple[str, ...] | str | None = None, max_choices: int = 256,
-                 admin_keys: tuple[str, ...] = ()):
+                 api_keys: tuple[str, ...] = (), max_body_bytes: int = ServerArgs.max_body_bytes,
+                 domains: tuple[str, ...] | str | None = None,
+                 max_choices: int = ServerArgs.max_choices_per_request, admin_keys: tuple[str, ...] = ()):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -90,9 +82,9 @@ class ServerState:
 
     def check_text_length(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
-            raise APIError(400, f"the prompt text has {chars} characters; no text longer than {self.max_prompt_chars} "
-                                f"characters fits this model's context of {self.max_model_len} tokens",
-                           param=param, code="context_length_exceeded")
+            raise RequestError(f"the prompt text has {chars} characters; no text longer than {self.max_prompt_chars} "
+                               f"characters fits this model's context of {self.max_model_len} tokens",
+                               param=param, code="context_length_exceeded")
 
     async def encode(self, text: str, param: str) -> list[int]:
         """Tokenize off the event loop, after the length check."""
@@ -115,30 +107,33 @@ class ServerState:
 
 def check_model(state: "ServerState", model: str | None) -> None:
     if model is not None and model not in state.model_names:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        raise RequestError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
 
 
-def engine_error(exc: Exception, params: dict[str, str] | None = None) -> APIError:
-    """The API error for an engine refusal (its parameter renamed to the route's field by `params`) or for a
-    dead engine."""
-    if isinstance(exc, EngineRejected):
-        type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
-        param = (params or {}).get(exc.param or "", exc.param)
-        return APIError(exc.status, exc.message, type_, param=param, code=exc.code)
+def check_choice_count(state: "ServerState", count: int, param: str) -> None:
+    """The limit on the engine requests one HTTP request may start (--max-choices-per-request), before any work."""
+    if count > state.max_choices:
+        raise RequestError(f"this request asks for {count} outputs; the server allows at most {state.max_choices} "
+                           "per request (--max-choices-per-request)", param=param)
+
+
+def engine_error(exc: Exception, names: RouteNames | None = None) -> RequestError:
+    """The error to answer for an engine refusal (naming the route's field, by `names`), or 503 for an engine
+    that is dead, does not answer in time, or is shutting down."""
+    if isinstance(exc, RequestError):
+        return names.engine_error(exc) if names is not None else exc
     if isinstance(exc, ServerDraining):
-        return APIError(503, "the server is shutting down", "server_error", code="shutting_down", headers=RETRY_AFTER)
-    return APIError(503, "the engine is not available", "server_error", code="engine_unavailable", headers=RETRY_AFTER)
+        return RequestError("the server is shutting down", status=503, code="shutting_down", headers=RETRY_AFTER)
+    return RequestError("the engine is not available", status=503, code="engine_unavailable", headers=RETRY_AFTER)
 
 
 def sse_error(exc: Exception) -> str:
     """An error inside a stream whose HTTP status is already sent: one SSE event in the OpenAI error shape."""
-    if isinstance(exc, APIError):
-        err = exc
-    elif isinstance(exc, (EngineDead, EngineRejected)):
+    if isinstance(exc, (RequestError, EngineDead)):
         err = engine_error(exc)
     else:
-        err = APIError(500, "internal error while streaming", "server_error")
-    return sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        err = RequestError("internal error while streaming", status=500)
+    return sse(err.body())
 
 
 @dataclass(frozen=True)
@@ -200,13 +195,11 @@ class ChoiceStream:
 
 
 async def start_streams(state: "ServerState", rids: list[str], prompts: list[list[int]],
-                        params: list[SamplingParams], param_names: dict[str, str] | None = None,
-                        count_param: str = "n") -> list[ChoiceStream]:
+                        params: list[SamplingParams], names: RouteNames, count_param: str = "n") -> list[ChoiceStream]:
     """Submit every output's engine request and wait until the engine accepted all of them; otherwise end them
-    all and raise the route's APIError (so that no response status is sent before admission)."""
-    if len(prompts) > state.max_choices:
-        raise APIError(400, f"this request asks for {len(prompts)} outputs; the server allows at most "
-                            f"{state.max_choices} per request (--max-choices-per-request)", param=count_param)
+    all and raise the RequestError naming the route's fields by `names` (so that no response status is sent
+    before admission). `count_param`: the field that sets how many outputs there are."""
+    check_choice_count(state, len(prompts), count_param)
     streams = [ChoiceStream(state, rid, ids, p, i) for i, (rid, ids, p) in enumerate(zip(rids, prompts, params))]
     current = None
     try:
@@ -215,20 +208,19 @@ async def start_streams(state: "ServerState", rids: list[str], prompts: list[lis
     except BaseException as exc:
         for s in streams:
             await s.close()
-        if isinstance(exc, EngineRejected) and exc.code == "duplicate_request_id" and current is not None:
-            # the engine client names the scoped id: name the client's own instead
-            exc = EngineRejected(exc.status, f"request id {current.out.rid!r} is already in flight", exc.code)
-        if isinstance(exc, (EngineDead, EngineRejected)):
-            raise engine_error(exc, param_names) from exc
+        if isinstance(exc, RequestError) and exc.code == "duplicate_request_id" and current is not None:
+            exc = duplicate_request_id(current.out.rid)  # the engine's id is scoped: name the client's own instead
+        if isinstance(exc, (EngineDead, RequestError)):
+            raise engine_error(exc, names) from exc
         raise
     return streams
 
 
 async def run_all(streams: list[ChoiceStream]) -> list[OutputStream]:
-    """Run accepted streams to the end (a dead engine becomes its APIError)."""
+    """Run accepted streams to the end (a dead engine becomes its RequestError)."""
     try:
         return list(await asyncio.gather(*[s.run() for s in streams]))
-    except (EngineDead, EngineRejected) as exc:
+    except EngineDead as exc:
         raise engine_error(exc) from exc
     finally:
         for s in streams:
@@ -275,7 +267,7 @@ async def run_until_disconnect(request: Request, coro) -> Any:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-                raise APIError(499, "client closed the request", code="client_closed")
+                raise RequestError("client closed the request", status=499, code="client_closed")
     finally:
         if not task.done():
             task.cancel()
@@ -322,4 +314,4 @@ def check_logit_bias_keys(bias: Any, param: str) -> None:
         return  # the shape is sampling_params' to refuse
     for key in bias:
         if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
-            raise APIError(400, f"logit_bias key {str(key)[:32]!r} is not a token id (ASCII digits only)", param=param)
+            raise RequestError(f"logit_bias key {str(key)[:32]!r} is not a token id (ASCII digits only)", param=param)

@@ -3,7 +3,7 @@
 Every in-flight request has an asyncio queue that the receive loop fills with the engine's progress
 messages. If the engine process exits, every waiting request is failed at once with EngineDead and
 `alive` turns False, so routes answer 503 (with Retry-After) instead of hanging; then the engine is started
-again in place, up to `max_restarts` times with a growing pause. If that fails too, `failed` turns True and
+again in place, up to `--engine-restarts` times with a growing pause. If that fails too, `failed` turns True and
 the `on_fatal` callbacks run (the server then exits non-zero, so that its supervisor restarts the pod).
 Once shutdown has begun (`begin_shutdown`, at the first SIGTERM/SIGINT) nothing is restarted any more.
 
@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from redraft.engine.child_process import group_signals_blocked
 from redraft.engine.engine_process import run_engine_process
+from redraft.protocol.errors import duplicate_request_id
 from redraft.protocol.messages import (
     Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong,
     Rejected, RequestOutput, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
@@ -52,14 +53,6 @@ class EngineDead(RuntimeError):
 
 class ServerDraining(EngineDead):
     """The server is shutting down and its drain time is over: the request is ended (503)."""
-
-
-class EngineRejected(Exception):
-    """The engine refused the request at admission (see protocol.messages.Rejected)."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 # ---- the socket folder ----------------------------------------------------------------------------------------
@@ -175,10 +168,10 @@ class _Pending:
 
 
 class EngineClient:
-    def __init__(self, args: ServerArgs, startup_timeout: float = 600.0, max_restarts: int = 3):
+    def __init__(self, args: ServerArgs, startup_timeout: float = 600.0):
         self.args = args
         self.startup_timeout = startup_timeout
-        self.max_restarts = max_restarts
+        self.max_restarts = args.engine_restarts  # restarts in place before the server gives up
         self.failed = False  # the engine died and could not be restarted: the server should exit
         self.restarts = 0  # engine restarts so far
         self._ready: asyncio.Future | None = None  # set by the receive loop when a restarted engine is ready
@@ -325,10 +318,6 @@ class EngineClient:
             self._ctx.destroy(linger=0)
         self._remove_ipc_dir()
 
-    def kill_engine_for_tests(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-
     # ---- loops --------------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         while True:
@@ -449,12 +438,12 @@ class EngineClient:
     # ---- requests -----------------------------------------------------------------------------------
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[Accepted | RequestOutput]:
-        """Accepted, then progress messages of one request, the last one finished (EngineRejected instead
+        """Accepted, then progress messages of one request, the last one finished (a RequestError instead
         of Accepted when refused). Aborts the request if the consumer goes away before the end."""
         if not self.alive:
             raise EngineDead("the engine is not running")
-        if rid in self._pending:
-            raise EngineRejected(400, f"request id {rid!r} is already in flight", "duplicate_request_id")
+        if rid in self._pending:  # its progress would go to the request already in flight
+            raise duplicate_request_id(rid)
         pending = self._pending[rid] = _Pending()
         for callback in self.on_submit:
             callback(rid, params)
@@ -466,7 +455,7 @@ class EngineClient:
                     raise msg
                 if isinstance(msg, Rejected):
                     pending.finished = True
-                    raise EngineRejected(msg.status, msg.message, msg.code, msg.param)
+                    raise msg.error()
                 yield msg
                 if isinstance(msg, RequestOutput) and msg.finished:
                     pending.finished = True
@@ -520,7 +509,7 @@ class EngineClient:
         return await self._request(FlushCacheReq(uuid.uuid4().hex), timeout)
 
     async def score(self, sequences: list[list[int]], variants: list, top_k: int = 0, timeout: float = 3600.0) -> list:
-        """Log-probabilities of masked variants (ScoreReq); EngineRejected when the engine refuses. Cancelled
+        """Log-probabilities of masked variants (ScoreReq); a RequestError when the engine refuses. Cancelled
         (the client left) or timed out, the engine drops the job and frees its pages at once."""
         # variants as plain tuples: a maximal request's 65,536 pickle in a fifth of the time (the engine reads them
         # positionally, as likelihood.Variant's fields)
@@ -531,7 +520,7 @@ class EngineClient:
             self._abort_score(msg.token)
             raise
         if res.results is None:
-            raise EngineRejected(res.status, res.message, res.code or "invalid_request_error", res.param)
+            raise res.error()
         return res.results
 
     def _abort_score(self, token: str) -> None:

@@ -117,7 +117,7 @@ def serve(args: ServerArgs) -> int:
             args, name = _resolve_model(args)
             tokenizer = Tokenizer.from_pretrained(args.model_path, args.chat_template)
             log.info("starting the engine process for %s", args.model_path)
-            client = EngineClient(args, max_restarts=args.engine_restarts)
+            client = EngineClient(args)
             client.start()  # on failure it leaves nothing behind
             return _serve(args, client, tokenizer, name, domains, listener)
         except _StoppedDuringStartup as stop:

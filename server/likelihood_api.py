@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from redraft.engine.likelihood import (
     MAX_VARIANTS, elbo_plan, fill_terms, min_variants, staircase_values, staircase_variants,
 )
 from redraft.engine.tokenizer import ChatTemplateError
+from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import BLOCK_SIZE
-from redraft.server.common import APIError, ServerState, check_model, engine_error, run_until_disconnect
-from redraft.server.engine_client import EngineDead, EngineRejected
+from redraft.server.common import ServerState, check_model, engine_error, run_until_disconnect
+from redraft.server.engine_client import EngineDead
 from redraft.server.openai_protocol import reject_lone_surrogates, text_chars
+from redraft.server.param_names import PROMPT_LOGPROBS, SCORE
+from redraft.server.routing import DepthCheckedRoute, State
 
 MAX_DETOKENIZE_IDS = 2**17  # token ids per /detokenize (a 128k context's worth): a bounded decode, off the loop
 
@@ -30,16 +33,16 @@ async def prompt_logprobs(state: ServerState, ids: list[int], start: int, top_k:
     variants = staircase_variants(0, len(ids), max(1, start), BLOCK_SIZE)
     try:
         rows = await state.client.score([ids], variants, top_k) if variants else []
-    except (EngineDead, EngineRejected) as exc:
-        raise engine_error(exc, {"input_ids": "prompt"}) from exc
+    except (EngineDead, RequestError) as exc:
+        raise engine_error(exc, PROMPT_LOGPROBS) from exc
     except asyncio.TimeoutError as exc:
         raise _timed_out() from exc
     return staircase_values(len(ids), variants, rows)
 
 
-def _timed_out() -> APIError:
-    return APIError(503, "the likelihood work did not finish in time (the engine is busy): try again or send less",
-                    "server_error", code="timeout")
+def _timed_out() -> RequestError:
+    return RequestError("the likelihood work did not finish in time (the engine is busy): try again or send less",
+                        status=503, code="timeout")
 
 
 def check_prompt_logprobs_budget(prompts: list[list[int]], start: int, param: str) -> None:
@@ -47,9 +50,9 @@ def check_prompt_logprobs_budget(prompts: list[list[int]], start: int, param: st
     forwards (one per prompt token from max(start, 1)), before any work."""
     need = sum(max(0, len(ids) - max(1, start)) for ids in prompts)
     if need > MAX_VARIANTS:
-        raise APIError(400, f"the prompt log-probabilities of this request need {need} block forwards (one per prompt "
-                            f"token after the start); at most {MAX_VARIANTS} per request: shorten or split the prompts",
-                       param=param)
+        raise RequestError(f"the prompt log-probabilities of this request need {need} block forwards (one per "
+                           f"prompt token after the start); at most {MAX_VARIANTS} per request: shorten or split the "
+                           "prompts", param=param)
 
 
 async def all_prompt_logprobs(state: ServerState, request: Request, prompts: list[list[int]], start: int,
@@ -112,76 +115,81 @@ class DetokenizeBody(BaseModel):
         return data
 
 
-def register_likelihood_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/score")
-    async def score(body: ScoreBody, request: Request):
-        """Likelihood terms of (prompt, response) items: per (timestep, block) the sum of the masked tokens'
-        log-probabilities and their count, and the weighted estimate (docs/likelihood.md)."""
-        seqs, spans = [], []
-        for k, item in enumerate(body.items):
-            p = item.prompt if isinstance(item.prompt, list) else await state.encode(item.prompt, f"items.{k}.prompt")
-            r = item.response if isinstance(item.response, list) else await state.encode(item.response,
-                                                                                            f"items.{k}.response")
-            if not p or not r:
-                raise APIError(400, "prompt and response must each hold at least one token", param=f"items.{k}")
-            seqs.append(list(p) + list(r))
-            spans.append((len(p), len(p) + len(r)))
-        low = min_variants(spans, estimator=body.estimator, num_timesteps=body.num_timesteps, block_size=BLOCK_SIZE)
-        if low > MAX_VARIANTS:  # before planning: a maximal plan takes seconds of CPU
-            raise APIError(400, f"this request needs at least {low} block forwards; at most {MAX_VARIANTS}",
-                           param="num_timesteps")
-        try:  # off the event loop: planning the largest allowed request takes seconds
-            plan = await asyncio.to_thread(elbo_plan, spans, estimator=body.estimator,
-                                           num_timesteps=body.num_timesteps, timestep_rule=body.timestep_rule,
-                                           masking=body.masking, seed=body.seed, block_size=BLOCK_SIZE)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="estimator") from exc
-        if len(plan.variants) > MAX_VARIANTS:
-            raise APIError(400, f"this request needs {len(plan.variants)} block forwards; at most {MAX_VARIANTS}",
-                           param="num_timesteps")
-        try:  # a job the engine interleaves with decoding; dropped there at once if the client leaves
-            rows = await run_until_disconnect(request, state.client.score(seqs, plan.variants)) if plan.variants \
-                else []
-        except (EngineDead, EngineRejected) as exc:
-            raise engine_error(exc, {"input_ids": "items"}) from exc
-        except asyncio.TimeoutError as exc:
-            raise _timed_out() from exc
-        results = await asyncio.to_thread(fill_terms, plan, [[lp for lp, _ in row] for row in rows])
-        return {"object": "score", "model": state.model_name, "estimator": body.estimator,
-                "num_timesteps": body.num_timesteps, "timestep_rule": body.timestep_rule, "masking": body.masking,
-                "seed": body.seed, "block_size": BLOCK_SIZE, "results": results}
+router = APIRouter(route_class=DepthCheckedRoute)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody):
-        check_model(state, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.prompt is not None:
-            tokens = await state.encode(body.prompt, "prompt")
-        else:  # every string counts (tool call arguments, names, ...): all of it is rendered and tokenized
-            state.check_text_length(text_chars(body.messages), "messages")
-            try:  # off the loop, as for chat completions
-                tokens = await asyncio.to_thread(state.tokenizer.encode_chat, body.messages,
-                                                 add_generation_prompt=body.add_generation_prompt)
-            except ChatTemplateError as exc:
-                raise APIError(400, str(exc), param="messages") from exc
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody):
-        check_model(state, body.model)
-        if len(body.tokens) > MAX_DETOKENIZE_IDS:
-            raise APIError(400, f"tokens holds {len(body.tokens)} ids; at most {MAX_DETOKENIZE_IDS} per request",
+@router.post("/score")
+async def score(body: ScoreBody, request: Request, state: State):
+    """Likelihood terms of (prompt, response) items: per (timestep, block) the sum of the masked tokens'
+    log-probabilities and their count, and the weighted estimate (docs/likelihood.md)."""
+    seqs, spans = [], []
+    for k, item in enumerate(body.items):
+        p = item.prompt if isinstance(item.prompt, list) else await state.encode(item.prompt, f"items.{k}.prompt")
+        r = item.response if isinstance(item.response, list) else await state.encode(item.response,
+                                                                                        f"items.{k}.response")
+        if not p or not r:
+            raise RequestError("prompt and response must each hold at least one token", param=f"items.{k}")
+        seqs.append(list(p) + list(r))
+        spans.append((len(p), len(p) + len(r)))
+    low = min_variants(spans, estimator=body.estimator, num_timesteps=body.num_timesteps, block_size=BLOCK_SIZE)
+    if low > MAX_VARIANTS:  # before planning: a maximal plan takes seconds of CPU
+        raise RequestError(f"this request needs at least {low} block forwards; at most {MAX_VARIANTS}",
+                           param="num_timesteps")
+    try:  # off the event loop: planning the largest allowed request takes seconds
+        plan = await asyncio.to_thread(elbo_plan, spans, estimator=body.estimator,
+                                       num_timesteps=body.num_timesteps, timestep_rule=body.timestep_rule,
+                                       masking=body.masking, seed=body.seed, block_size=BLOCK_SIZE)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="estimator") from exc
+    if len(plan.variants) > MAX_VARIANTS:
+        raise RequestError(f"this request needs {len(plan.variants)} block forwards; at most {MAX_VARIANTS}",
+                           param="num_timesteps")
+    try:  # a job the engine interleaves with decoding; dropped there at once if the client leaves
+        rows = await run_until_disconnect(request, state.client.score(seqs, plan.variants)) if plan.variants \
+            else []
+    except (EngineDead, RequestError) as exc:
+        raise engine_error(exc, SCORE) from exc
+    except asyncio.TimeoutError as exc:
+        raise _timed_out() from exc
+    results = await asyncio.to_thread(fill_terms, plan, [[lp for lp, _ in row] for row in rows])
+    return {"object": "score", "model": state.model_name, "estimator": body.estimator,
+            "num_timesteps": body.num_timesteps, "timestep_rule": body.timestep_rule, "masking": body.masking,
+            "seed": body.seed, "block_size": BLOCK_SIZE, "results": results}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeBody, state: State):
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError("give exactly one of prompt or messages", param="prompt")
+    if body.prompt is not None:
+        tokens = await state.encode(body.prompt, "prompt")
+    else:  # every string counts (tool call arguments, names, ...): all of it is rendered and tokenized
+        state.check_text_length(text_chars(body.messages), "messages")
+        try:  # off the loop, as for chat completions
+            tokens = await asyncio.to_thread(state.tokenizer.encode_chat, body.messages,
+                                             add_generation_prompt=body.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc), param="messages") from exc
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeBody, state: State):
+    check_model(state, body.model)
+    if len(body.tokens) > MAX_DETOKENIZE_IDS:
+        raise RequestError(f"tokens holds {len(body.tokens)} ids; at most {MAX_DETOKENIZE_IDS} per request",
                            param="tokens")
-        vocab = state.vocab_size
-        if not all(0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
-        return {"prompt": text}
+    vocab = state.vocab_size
+    if not all(0 <= t < vocab for t in body.tokens):
+        raise RequestError(f"token ids must be in [0, {vocab})", param="tokens")
+    text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
+    return {"prompt": text}
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        tok = state.tokenizer
-        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
-                "pad_token": tok.pad_token, "mask_token": tok.mask_token, "chat_template": tok.chat_template,
-                "model_max_length": state.max_model_len, "vocab_size": tok.vocab_size}
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: State):
+    tok = state.tokenizer
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token, "mask_token": tok.mask_token, "chat_template": tok.chat_template,
+            "model_max_length": state.max_model_len, "vocab_size": tok.vocab_size}

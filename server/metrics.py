@@ -32,6 +32,7 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from redraft.protocol.errors import INVALID_REQUEST
 from redraft.protocol.messages import Accepted, Rejected, RequestOutput
 from redraft.protocol.server_args import DEFAULT_DOMAINS
 
@@ -44,6 +45,8 @@ disable_created_metrics()
 
 OTHER_DOMAIN = "other"
 MODES: tuple[str, ...] = ("S", "Q")
+ENGINE_LABELS = ("model_name",)
+REQUEST_LABELS = ("model_name", "mode", "domain")
 MAX_TRACKED = 100_000  # requests in flight we keep timing state for (a dead engine must not leak memory)
 
 # Buckets: a block of 32 tokens takes one to a few dozen forwards; CPU demo models are slow, GPUs fast.
@@ -97,21 +100,25 @@ class ServerMetrics:
         self._client: Any = None
         self._inflight: dict[str, _Track] = {}
         self._callback_errors = 0
-        reg = self.registry
-        engine = ["model_name"]
-        req = ["model_name", "mode", "domain"]
+        self._declare_engine_gauges()
+        self._declare_request_counters()
+        self._declare_histograms()
+        self._zero_series()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            # One engine behind every worker: the most recent value of a live worker is the truth.
-            return Gauge(name, doc, engine, registry=reg, multiprocess_mode="livemostrecent")
+    # ---- the metrics -----------------------------------------------------------------------------------
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        # One engine behind every worker: the most recent value of a live worker is the truth.
+        return Gauge(name, doc, ENGINE_LABELS, registry=self.registry, multiprocess_mode="livemostrecent")
 
-        def counter(name: str, doc: str, labels: list[str] = req) -> Counter:
-            return Counter(name, doc, labels, registry=reg)
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = REQUEST_LABELS) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, req, registry=reg, buckets=buckets)
+    def _histogram(self, name: str, doc: str, buckets: tuple) -> Histogram:
+        return Histogram(name, doc, REQUEST_LABELS, registry=self.registry, buckets=buckets)
 
-        # ---- engine gauges (SGLang's names) ----
+    def _declare_engine_gauges(self) -> None:
+        gauge = self._gauge
+        # ---- SGLang's names ----
         self.num_running_reqs = gauge("sglang:num_running_reqs", "Requests being decoded.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "Requests waiting for admission.")
         self.num_used_tokens = gauge("sglang:num_used_tokens",
@@ -120,7 +127,7 @@ class ServerMetrics:
         self.cache_hit_rate = gauge("sglang:cache_hit_rate",
                                     "Prefix cache hit rate (matched / looked-up prompt tokens).")
         self.max_total_num_tokens = gauge("sglang:max_total_num_tokens", "KV cache capacity in tokens.")
-        # ---- engine gauges (redraft's) ----
+        # ---- redraft's ----
         self.engine_up = gauge("redraft:engine_up",
                                "1 when the engine process answered the last scrape's ping, else 0.")
         self.cached_tokens = gauge("redraft:cached_tokens", "Tokens held by the prefix cache (whole blocks).")
@@ -130,14 +137,16 @@ class ServerMetrics:
         self.max_queued_requests = gauge("redraft:max_queued_requests",
                                          "The engine's limit on waiting requests (0: unlimited).")
 
-        # ---- per-request counters (SGLang's names) ----
+    def _declare_request_counters(self) -> None:
+        counter = self._counter
+        # ---- SGLang's names ----
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens of finished requests.")
         self.cached_prompt_tokens = counter("sglang:cached_tokens",
                                             "Prompt tokens of finished requests read from the prefix cache.")
         self.num_requests = counter("sglang:num_requests", "Finished requests (aborted ones included).")
         self.num_aborted = counter("sglang:num_aborted_requests", "Requests that ended by abort or client disconnect.")
-        # ---- per-request counters (redraft's) ----
+        # ---- redraft's ----
         self.forwards = counter("redraft:forwards", "Denoising forwards of finished requests "
                                                     "(a batched forward counts once per request in it).")
         self.tokens_committed = counter("redraft:tokens_committed",
@@ -157,9 +166,10 @@ class ServerMetrics:
         self.grammar_forced = counter("redraft:grammar_forced_tokens", "Tokens the grammar placed itself "
                                       "(fast-forward of forced text, closing runs).")
         self.rejected = counter("redraft:rejected_requests", "Requests the engine refused at admission, by code.",
-                                ["model_name", "code"])
+                                ("model_name", "code"))
 
-        # ---- histograms ----
+    def _declare_histograms(self) -> None:
+        histogram = self._histogram
         self.ttft = histogram("sglang:time_to_first_token_seconds",
                               "Time to the first committed block, from the request's submission.", TTFT_BUCKETS)
         self.itl = histogram("sglang:inter_token_latency_seconds",
@@ -177,6 +187,7 @@ class ServerMetrics:
         self.tokens_per_forward = histogram("redraft:tokens_per_forward",
                                             "Output tokens per forward of a finished request.", TPF_BUCKETS)
 
+    def _zero_series(self) -> None:
         # Zero series for every (mode, domain) from the start: a series that first appears with its first
         # request already counted would be lost to rate() and histogram_quantile(). Bounded: the label values
         # are the configured domains + "other" times the two modes.
@@ -187,9 +198,9 @@ class ServerMetrics:
                                self.blocks_committed, self.edits, self.mbe_edits, self.mbe_window, self.ttft, self.itl,
                                self.constrained, self.grammar_rejected, self.grammar_remasked, self.grammar_forced,
                                self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward):
-                    metric.labels(model_name, mode, domain)
-        for code in ("queue_full", "invalid_request_error"):  # the engine's admission refusals
-            self.rejected.labels(model_name, code)
+                    metric.labels(self.model_name, mode, domain)
+        for code in ("queue_full", INVALID_REQUEST):  # the engine's admission refusals
+            self.rejected.labels(self.model_name, code)
 
     # ---- wiring --------------------------------------------------------------------------------------
     def attach(self, client: Any) -> None:

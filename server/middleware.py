@@ -15,7 +15,8 @@ import uuid
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from redraft.server.common import ServerState, key_scope
+from redraft.protocol.errors import RequestError
+from redraft.server.common import RETRY_AFTER, ServerState, key_scope
 
 log = logging.getLogger("redraft.http")
 
@@ -24,14 +25,15 @@ ADMIN_PATHS = {"/abort_request", "/flush_cache"}  # they change what other clien
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-async def _send_error(send, status: int, message: str, type_: str, code: str | None, headers=(),
-                      param: str | None = None) -> None:
+async def _send_error(send, err: RequestError, headers: list[tuple[bytes, bytes]]) -> None:
+    """Answer `err` in OpenAI's shape from the middleware (the app never sees the request)."""
     rid = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), "-")
-    log.info("request %s refused: %d %s: %s", rid, status, code, message)
-    body = json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
-    await send({"type": "http.response.start", "status": status,
+    log.info("request %s refused: %d %s: %s", rid, err.status, err.code, err.message)
+    body = json.dumps(err.body()).encode()
+    extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (err.headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+                            *headers, *extra]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -41,6 +43,10 @@ def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
     for key in keys:
         ok |= hmac.compare_digest(presented.encode(), key.encode())
     return ok
+
+
+def _invalid_key() -> RequestError:
+    return RequestError("Incorrect API key provided.", status=401, code="invalid_api_key")
 
 
 class RedraftMiddleware:
@@ -56,65 +62,80 @@ class RedraftMiddleware:
         rid = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         echo = [(b"x-request-id", rid.encode())]
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            return await _send_error(send, refusal, echo)
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *echo]}
             await send(message)
 
+        try:
+            await self.app(scope, _limited(receive, self.state.max_body_bytes), send_with_id)
+        except BodyTooLarge as exc:
+            await _send_error(send, RequestError(exc.detail, status=413, code=exc.code), echo)
+
+    def _refusal(self, scope, headers: dict[str, str]) -> RequestError | None:
+        """Why the request is answered here, before the app reads it; None: it goes on."""
         if sum(k.lower() == b"authorization" for k, _ in scope.get("headers", [])) > 1:
             # one credential per request: a proxy that checks the first header and this server (the last) would
             # otherwise disagree on who is calling
-            return await _send_error(send, 400, "the request has more than one Authorization header",
-                                     "invalid_request_error", "duplicate_authorization", echo, "authorization")
+            return RequestError("the request has more than one Authorization header", param="authorization",
+                                code="duplicate_authorization")
         if self.state.api_keys and scope["path"] not in OPEN_PATHS:
-            auth = headers.get("authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if scope["path"] in ADMIN_PATHS:
-                if not self.state.admin_keys:
-                    return await _send_error(send, 403, "admin routes are disabled: start the server with "
-                                             "--admin-api-key to use them", "invalid_request_error",
-                                             "admin_disabled", echo)
-                if not key_matches(token, self.state.admin_keys):
-                    if key_matches(token, self.state.api_keys):  # a user: known, but not allowed here
-                        return await _send_error(send, 403, "this route needs the admin API key",
-                                                 "invalid_request_error", "admin_key_required", echo)
-                    return await _send_error(send, 401, "Incorrect API key provided.", "invalid_request_error",
-                                             "invalid_api_key", echo)
-            elif not key_matches(token, self.state.api_keys):
-                return await _send_error(send, 401, "Incorrect API key provided.", "invalid_request_error",
-                                         "invalid_api_key", echo)
-            else:  # the engine ids of this key's requests live in their own namespace (common.engine_rid)
-                scope["state"]["rid_scope"] = key_scope(token)
+            refused = self._key_refusal(scope, headers)
+            if refused is not None:
+                return refused
         if self.state.draining and scope["path"] not in OPEN_PATHS:
-            return await _send_error(send, 503, "the server is shutting down", "server_error", "shutting_down",
-                                     [*echo, (b"retry-after", b"2")])
+            return RequestError("the server is shutting down", status=503, code="shutting_down", headers=RETRY_AFTER)
         limit = self.state.max_body_bytes
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await _send_error(send, 413, f"the request body is larger than {limit} bytes",
-                                     "invalid_request_error", "body_too_large", echo)
-        received = 0
+            return RequestError(f"the request body is larger than {limit} bytes", status=413, code="body_too_large")
+        return None
 
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise BodyTooLarge(limit)
-            return message
+    def _key_refusal(self, scope, headers: dict[str, str]) -> RequestError | None:
+        """With API keys: the admin routes take the admin key only, the others any API key, whose requests get
+        engine ids of their own namespace (common.engine_rid)."""
+        auth = headers.get("authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if scope["path"] in ADMIN_PATHS:
+            if not self.state.admin_keys:
+                return RequestError("admin routes are disabled: start the server with --admin-api-key to use them",
+                                    status=403, code="admin_disabled")
+            if key_matches(token, self.state.admin_keys):
+                return None
+            if key_matches(token, self.state.api_keys):  # a user: known, but not allowed here
+                return RequestError("this route needs the admin API key", status=403, code="admin_key_required")
+            return _invalid_key()
+        if not key_matches(token, self.state.api_keys):
+            return _invalid_key()
+        scope["state"]["rid_scope"] = key_scope(token)
+        return None
 
-        try:
-            await self.app(scope, limited_receive, send_with_id)
-        except BodyTooLarge as exc:
-            await _send_error(send, 413, exc.detail, "invalid_request_error", exc.code, echo)
+
+def _limited(receive, limit: int):
+    """`receive`, raising BodyTooLarge once the body read so far is larger than `limit` bytes (a chunked body
+    declares no length up front)."""
+    received = 0
+
+    async def limited_receive():
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise BodyTooLarge(limit)
+        return message
+
+    return limited_receive
 
 
 class BodyTooLarge(StarletteHTTPException):
     """A chunked body that outgrows the limit while it is read. An HTTPException, because FastAPI's body
     parsing re-raises those and turns any other exception into a 400; the app's HTTPException handler then
-    answers 413 (the except clause above covers reads outside FastAPI's body parsing)."""
+    answers 413 (RedraftMiddleware's except clause covers reads outside FastAPI's body parsing)."""
 
     code = "body_too_large"
 

@@ -14,17 +14,20 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import ChatTemplateError
+from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.likelihood_api import all_prompt_logprobs
-from redraft.server.common import (APIError, ChoiceStream, ServerState, check_logit_bias_keys, check_model,
-                                   engine_rid, merge_updates, run_all, run_until_disconnect, sse, sse_error,
-                                   start_streams)
+from redraft.server.common import (ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
+                                   check_model, engine_rid, merge_updates, run_all, run_until_disconnect, sse,
+                                   sse_error, start_streams)
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue, text_chars
+from redraft.server.param_names import CHAT, COMPLETIONS, RouteNames
+from redraft.server.routing import DepthCheckedRoute, State
 from redraft.server.structured import constraint_of
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -37,34 +40,32 @@ def aborted(out: OutputStream) -> bool:
     return (out.finish_reason or {}).get("type") in ("abort", "error")
 
 
-def aborted_error(finish: OutputStream | dict | None = None) -> APIError:
+def aborted_error(finish: OutputStream | dict | None = None) -> RequestError:
     """The error of an aborted request; of an error finish (an output or its finish reason), a 500 naming the
     engine's reason."""
     reason = (finish.finish_reason if isinstance(finish, OutputStream) else finish) or {}
     if reason.get("type") == "error":
-        return APIError(500, f"the request failed in the engine: {reason.get('message') or 'unknown error'}",
-                        "server_error", code="internal_error")
-    return APIError(503, "the request was aborted by the server", "server_error", code="request_aborted")
+        return RequestError(f"the request failed in the engine: {reason.get('message') or 'unknown error'}",
+                            status=500, code="internal_error")
+    return RequestError("the request was aborted by the server", status=503, code="request_aborted")
 
 
 def first_aborted(outs: list) -> OutputStream | None:
     """The first output ended by an error finish, else by an abort, else None."""
     ended = [o for o in outs if o is not None and aborted(o)]
     return next((o for o in ended if o.finish_reason.get("type") == "error"), ended[0] if ended else None)
+
+
 RESERVED_TEMPLATE_KWARGS = frozenset({"self", "template", "messages", "tools", "add_generation_prompt"})
-
-
-# The engine names a refused parameter as sampling_params does; OpenAI clients know it by these names.
-CHAT_PARAMS = {"max_new_tokens": "max_tokens", "input_ids": "messages"}
-COMPLETION_PARAMS = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
 
 
 # ---- parameters ---------------------------------------------------------------------------------------
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, logprobs: bool, top_logprobs: int,
-                    choice: int, constraint: dict[str, str] | None = None) -> SamplingParams:
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, names: RouteNames, *, logprobs: bool,
+                    top_logprobs: int, choice: int, constraint: dict[str, str] | None = None) -> SamplingParams:
     """The request's own values; whatever it leaves unset the engine resolves (sampling_params.resolve).
-    `constraint`: its structured-output field (server/structured.py constraint_of)."""
+    `constraint`: its structured-output field (server/structured.py constraint_of); `names`: the route's
+    names of the fields a refusal names."""
     raw: dict[str, Any] = {
         "max_new_tokens": req.requested_max_tokens,
         "temperature": req.temperature,
@@ -94,15 +95,14 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, logprobs:
     try:
         return SamplingParams.from_dict(raw)
     except SamplingParamsError as exc:
-        param = {"max_new_tokens": "max_tokens"}.get(exc.param or "", exc.param)
-        raise APIError(400, str(exc).replace("max_new_tokens", "max_tokens"), param=param) from exc
+        raise names.params_error(exc) from exc
 
 
 def validate(req: ChatCompletionRequest | CompletionRequest) -> None:
     try:
         req.check_noop_fields()
     except UnsupportedValue as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
+        raise RequestError(str(exc), param=exc.param) from exc
     check_logit_bias_keys(req.logit_bias, "logit_bias")
 
 
@@ -118,9 +118,9 @@ def check_response_size(state: ServerState, outputs: int, max_tokens: int | None
     tokens = max_tokens if max_tokens is not None else max(0, state.max_model_len - prompt_tokens)
     entries = outputs * tokens * per_token
     if entries > MAX_LOGPROB_ENTRIES:
-        raise APIError(400, f"this non-streamed request could return {entries} logprob entries ({fields}); at most "
-                            f"{MAX_LOGPROB_ENTRIES}: lower one of them or use stream=true",
-                       param=fields.split(" x ")[0], code="response_too_large")
+        raise RequestError(f"this non-streamed request could return {entries} logprob entries ({fields}); at most "
+                           f"{MAX_LOGPROB_ENTRIES}: lower one of them or use stream=true",
+                           param=fields.split(" x ")[0], code="response_too_large")
 
 
 def finish_reason(out: OutputStream, tool_calls: list | None = None) -> str:
@@ -243,79 +243,82 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest,
     template_kwargs = body.chat_template_kwargs or {}
     reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
     if reserved:  # would collide with apply_chat_template's own arguments (a TypeError, i.e. a 500)
-        raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
+        raise RequestError(f"chat_template_kwargs may not set {reserved[0]!r}", param="chat_template_kwargs")
     state.check_text_length(text_chars(messages) + text_chars(tools), "messages")
     try:  # message text is tokenized as plain text: only the template's markup makes special tokens; off the loop
         ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages, tools=tools,
                                       add_generation_prompt=True, **template_kwargs)
     except ChatTemplateError as exc:
-        raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
+        raise RequestError(f"the chat template could not render these messages: {exc}", param="messages") from exc
     top = body.top_logprobs or 0
     if body.logprobs and not body.stream:
         check_response_size(state, body.n, body.requested_max_tokens, len(ids), top + 1,
                             "n x max_tokens x (top_logprobs + 1)")
     constraint = await constraint_of(state, body, rid)  # checked off the loop
-    params = [sampling_params(body, logprobs=body.logprobs, top_logprobs=top, choice=i, constraint=constraint)
+    params = [sampling_params(body, CHAT, logprobs=body.logprobs, top_logprobs=top, choice=i, constraint=constraint)
               for i in range(body.n)]
     rids = [engine_rid(request, f"{rid}-{i}") for i in range(body.n)]
-    streams = await start_streams(state, rids, [ids] * body.n, params, CHAT_PARAMS)
+    streams = await start_streams(state, rids, [ids] * body.n, params, CHAT)
     return streams, len(ids), tools is not None
 
 
-def register_openai_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/v1/models")
-    async def list_models():
-        now = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "redraft", "root": state.model_path,
-             "max_model_len": state.max_model_len}
-            for name in state.model_names[:1]
-        ]}
+router = APIRouter(route_class=DepthCheckedRoute)
 
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str):
-        check_model(state, model)
-        return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "redraft",
-                "max_model_len": state.max_model_len}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        streams, prompt_tokens, tools = await start_chat(state, body, request)
-        chat = ChatFormatter(state, f"chatcmpl-{request.state.request_id}", body, prompt_tokens, tools)
-        if body.stream:
-            return StreamingResponse(chat.stream(streams), media_type="text/event-stream")
-        return chat.response(await run_until_disconnect(request, run_all(streams)))
+@router.get("/v1/models")
+async def list_models(state: State):
+    now = int(time.time())
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": now, "owned_by": "redraft", "root": state.model_path,
+         "max_model_len": state.max_model_len}
+        for name in state.model_names[:1]
+    ]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(state, body.model)
-        validate(body)
-        rid = request.state.request_id
-        constraint = await constraint_of(state, body, rid)  # checked off the loop
-        prompts = await _completion_prompts(state, body.prompt)
-        top = body.logprobs or 0
-        all_prompts = [ids for ids in prompts for _ in range(body.n)]
-        if len(all_prompts) > state.max_choices:  # before any work, echo included
-            raise APIError(400, f"this request asks for {len(all_prompts)} outputs; the server allows at most "
-                                f"{state.max_choices} per request (--max-choices-per-request)", param="n")
-        if body.logprobs is not None and not body.stream:
-            check_response_size(state, len(all_prompts), body.max_tokens, min(map(len, prompts)), top + 1,
-                                "n x prompts x max_tokens x (logprobs + 1)")
-        fmt = CompletionFormatter(state, f"cmpl-{rid}", body, prompts)
-        if body.echo:  # the prompt's own log-probabilities (staircase values), computed before generating
-            start = 1 if body.logprob_start_len is None else body.logprob_start_len
-            fmt.echo = await all_prompt_logprobs(state, request, prompts, start, body.logprobs, "prompt")
-            fmt.echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
-                              for p, ids in zip(_prompt_list(body.prompt), prompts)]
-            if body.max_tokens == 0:
-                return fmt.response([None] * len(all_prompts))
-        params = [sampling_params(body, logprobs=body.logprobs is not None, top_logprobs=top, choice=i,
-                                  constraint=constraint) for _ in prompts for i in range(body.n)]
-        rids = [engine_rid(request, f"{rid}-{i}") for i in range(len(all_prompts))]
-        streams = await start_streams(state, rids, all_prompts, params, COMPLETION_PARAMS)
-        if body.stream:
-            return StreamingResponse(fmt.stream(streams), media_type="text/event-stream")
-        return fmt.response(await run_until_disconnect(request, run_all(streams)))
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, state: State):
+    check_model(state, model)
+    return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "redraft",
+            "max_model_len": state.max_model_len}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
+    streams, prompt_tokens, tools = await start_chat(state, body, request)
+    chat = ChatFormatter(state, f"chatcmpl-{request.state.request_id}", body, prompt_tokens, tools)
+    if body.stream:
+        return StreamingResponse(chat.stream(streams), media_type="text/event-stream")
+    return chat.response(await run_until_disconnect(request, run_all(streams)))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, state: State):
+    check_model(state, body.model)
+    validate(body)
+    rid = request.state.request_id
+    constraint = await constraint_of(state, body, rid)  # checked off the loop
+    prompts = await _completion_prompts(state, body.prompt)
+    top = body.logprobs or 0
+    all_prompts = [ids for ids in prompts for _ in range(body.n)]
+    check_choice_count(state, len(all_prompts), "n")  # before any work, echo included
+    if body.logprobs is not None and not body.stream:
+        check_response_size(state, len(all_prompts), body.max_tokens, min(map(len, prompts)), top + 1,
+                            "n x prompts x max_tokens x (logprobs + 1)")
+    fmt = CompletionFormatter(state, f"cmpl-{rid}", body, prompts)
+    if body.echo:  # the prompt's own log-probabilities (staircase values), computed before generating
+        start = 1 if body.logprob_start_len is None else body.logprob_start_len
+        fmt.echo = await all_prompt_logprobs(state, request, prompts, start, body.logprobs, "prompt")
+        fmt.echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
+                          for p, ids in zip(_prompt_list(body.prompt), prompts)]
+        if body.max_tokens == 0:
+            return fmt.response([None] * len(all_prompts))
+    params = [sampling_params(body, COMPLETIONS, logprobs=body.logprobs is not None, top_logprobs=top, choice=i,
+                              constraint=constraint) for _ in prompts for i in range(body.n)]
+    rids = [engine_rid(request, f"{rid}-{i}") for i in range(len(all_prompts))]
+    streams = await start_streams(state, rids, all_prompts, params, COMPLETIONS)
+    if body.stream:
+        return StreamingResponse(fmt.stream(streams), media_type="text/event-stream")
+    return fmt.response(await run_until_disconnect(request, run_all(streams)))
 
 
 def _template_message(m) -> dict:

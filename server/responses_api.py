@@ -17,16 +17,18 @@ import json
 import time
 from typing import Any, AsyncIterator, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, model_validator
 
 from redraft.engine.output_stream import OutputStream
-from redraft.server.common import APIError, ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect
+from redraft.protocol.errors import RequestError
+from redraft.server.common import ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect
 from redraft.server.dials import DIALS
 from redraft.server.openai_api import aborted, aborted_error, diffusion_stats, parse_tool_calls, start_chat
 from redraft.server.openai_protocol import (ChatCompletionRequest, Strict, UnsupportedValue, drop_ignored_fields,
                                             merge_extra_body, reject_lone_surrogates)
+from redraft.server.routing import DepthCheckedRoute, State
 
 # Responses fields that change nothing here (besides the chat ones in openai_protocol.IGNORED_FIELDS)
 IGNORED = ("user", "metadata", "reasoning", "truncation", "include", "prompt_cache_key", "max_tool_calls")
@@ -80,13 +82,13 @@ def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of content parts", param=where)
+        raise RequestError(f"{where} must be a string or a list of content parts", param=where)
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_TYPES:
-            raise APIError(400, f"content parts of type {kind!r} are not supported: this model reads text only",
-                           param=f"{where}.{j}")
+            raise RequestError(f"content parts of type {kind!r} are not supported: this model reads text only",
+                               param=f"{where}.{j}")
         parts.append(str(part.get("text", "")))
     return "".join(parts)
 
@@ -103,7 +105,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
-                raise APIError(400, f"{where}.role must be system, developer, user or assistant", param=f"{where}.role")
+                raise RequestError(f"{where}.role must be system, developer, user or assistant", param=f"{where}.role")
             messages.append({"role": role, "content": _text_of(item.get("content", ""), f"{where}.content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
@@ -120,8 +122,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # a reasoning item from another model's answer: nothing here reads it
         else:
-            raise APIError(400, f"input items of type {kind!r} are not supported (message, function_call, "
-                                "function_call_output)", param=f"{where}.type")
+            raise RequestError(f"input items of type {kind!r} are not supported (message, function_call, "
+                               "function_call_output)", param=f"{where}.type")
     return messages
 
 
@@ -131,8 +133,8 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
     out = []
     for i, tool in enumerate(body.tools):
         if tool.get("type") != "function":
-            raise APIError(400, f"tools of type {tool.get('type')!r} are not supported: only function tools",
-                           param=f"tools.{i}.type")
+            raise RequestError(f"tools of type {tool.get('type')!r} are not supported: only function tools",
+                               param=f"tools.{i}.type")
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
                                                                           "strict") if tool.get(k) is not None}})
     return out
@@ -141,8 +143,8 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
 def _tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not choice.get("name"):
-            raise APIError(400, "tool_choice must be none, auto, required or {'type': 'function', 'name': ...}",
-                           param="tool_choice")
+            raise RequestError("tool_choice must be none, auto, required or {'type': 'function', 'name': ...}",
+                               param="tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
@@ -156,12 +158,12 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt.get("type") == "json_schema":
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
                                                        if fmt.get(k) is not None}}
-    raise APIError(400, f"text.format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
-                   param="text.format")
+    raise RequestError(f"text.format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
+                       param="text.format")
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request this Responses request amounts to; APIError naming the Responses field otherwise."""
+    """The chat request this Responses request amounts to; RequestError naming the Responses field otherwise."""
     chat = {"model": body.model, "messages": _messages(body), "max_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "tools": _tools(body),
             "tool_choice": _tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
@@ -172,8 +174,8 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         errors = getattr(exc, "errors", lambda: [])()
         first = errors[0] if errors else {}
         loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise APIError(400, f"{first.get('msg', str(exc)).removeprefix('Value error, ')}" + (f" ({loc})" if loc else ""),
-                       param=loc or None) from exc
+        message = first.get("msg", str(exc)).removeprefix("Value error, ") + (f" ({loc})" if loc else "")
+        raise RequestError(message, param=loc or None) from exc
 
 
 # ---- the answer ------------------------------------------------------------------------------------------------
@@ -307,20 +309,21 @@ class ResponsesFormatter:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the status line is gone: a failed response, then the error event
-            err = exc if isinstance(exc, APIError) else APIError(500, f"{type(exc).__name__}: {exc}",
-                                                                 type_="server_error")
+            err = exc if isinstance(exc, RequestError) else RequestError(f"{type(exc).__name__}: {exc}", status=500)
             failed = self._shell("failed", [])
             failed["error"] = {"code": err.code or "server_error", "message": err.message}
             yield self._event("response.failed", response=failed)
             yield self._event("error", code=err.code, message=err.message, param=err.param)
 
 
-def register_responses_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request):
-        chat = to_chat(body)
-        streams, prompt_tokens, tools = await start_chat(state, chat, request)
-        fmt = ResponsesFormatter(state, request.state.request_id, body, chat, prompt_tokens, tools)
-        if body.stream:
-            return StreamingResponse(fmt.stream(streams[0]), media_type="text/event-stream")
-        return fmt.response((await run_until_disconnect(request, run_all(streams)))[0])
+router = APIRouter(route_class=DepthCheckedRoute)
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request, state: State):
+    chat = to_chat(body)
+    streams, prompt_tokens, tools = await start_chat(state, chat, request)
+    fmt = ResponsesFormatter(state, request.state.request_id, body, chat, prompt_tokens, tools)
+    if body.stream:
+        return StreamingResponse(fmt.stream(streams[0]), media_type="text/event-stream")
+    return fmt.response((await run_until_disconnect(request, run_all(streams)))[0])

@@ -12,8 +12,10 @@ import logging
 from typing import Any
 
 from redraft.engine.grammar import GrammarError, parse_schema, tool_call_lark
+from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams
-from redraft.server.common import APIError, ServerState
+from redraft.server.common import ServerState
+from redraft.server.param_names import RouteNames
 
 log = logging.getLogger("redraft.http")
 
@@ -21,7 +23,7 @@ JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
 async def constraint_of(state: ServerState, body: Any, rid: str = "-") -> dict[str, str]:
-    """{SamplingParams field: source} for the body's constraint (empty when it has none); APIError when the
+    """{SamplingParams field: source} for the body's constraint (empty when it has none); RequestError when the
     body asks for two, or for one that does not compile (logged with the request id `rid`). Off the event loop:
     building it on a thread, the check in the sandbox."""
     found = await asyncio.to_thread(_constraint_source, state, body, rid)
@@ -43,7 +45,7 @@ def _constraint_source(state: ServerState, body: Any, rid: str) -> tuple[str, st
         found.append(("response_format", "json_schema", JSON_OBJECT_SCHEMA))
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+            raise RequestError("response_format json_schema needs json_schema.schema", param="response_format")
         found.append(("response_format", "json_schema", fmt.json_schema.schema_))
     for name in ("regex", "ebnf", "lark"):
         if getattr(body, name, None) is not None:
@@ -56,7 +58,7 @@ def _constraint_source(state: ServerState, body: Any, rid: str) -> tuple[str, st
         return None
     if len(found) > 1:
         names = ", ".join(f[0] for f in found)
-        raise APIError(400, f"a request may carry one output constraint; this one has {names}", param=found[1][0])
+        raise RequestError(f"a request may carry one output constraint; this one has {names}", param=found[1][0])
     request_field, field, source = found[0]
     if field == "json_schema":
         try:
@@ -66,31 +68,31 @@ def _constraint_source(state: ServerState, body: Any, rid: str) -> tuple[str, st
     return request_field, field, source
 
 
-async def check_native_constraint(state: ServerState, params: SamplingParams, rid: str) -> None:
-    """/generate: the sampling params' constraint through the sandbox, off the event loop; APIError naming
-    `sampling_params.<field>` when it does not pass."""
+async def check_native_constraint(state: ServerState, params: SamplingParams, names: RouteNames, rid: str) -> None:
+    """/generate: the sampling params' constraint through the sandbox, off the event loop; RequestError naming
+    the route's field of it (`names`) when it does not pass."""
     if params.grammar is None:
         return
     field, source = params.grammar
     try:
         await state.grammar_sandbox.acheck(field, source)
     except GrammarError as exc:
-        raise _refused(exc, field, f"sampling_params.{field}", rid) from exc
+        raise _refused(exc, field, names.param(field), rid) from exc
 
 
-def _refused(exc: GrammarError, field: str, request_field: str, rid: str) -> APIError:
+def _refused(exc: GrammarError, field: str, request_field: str, rid: str) -> RequestError:
     """The 400 for a constraint that did not pass, logged with the request id and the reason."""
     message = str(exc).replace(f"invalid {field}", f"invalid {request_field}", 1)
     log.warning("request %s: %s refused: %s", rid, request_field, message)
-    return APIError(400, message, param=request_field)
+    return RequestError(message, param=request_field)
 
 
 def _tool_grammar(state: ServerState, body: Any, rid: str) -> str:
     tok = state.tokenizer
     start, end = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
     if start is None or end is None:
-        raise APIError(400, "this model's tokenizer has no <tool_call> tokens: tool_choice 'required' or a named "
-                            "function cannot be enforced", param="tool_choice")
+        raise RequestError("this model's tokenizer has no <tool_call> tokens: tool_choice 'required' or a named "
+                           "function cannot be enforced", param="tool_choice")
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     name = None if isinstance(body.tool_choice, str) else body.tool_choice.function.name
     try:
@@ -98,4 +100,4 @@ def _tool_grammar(state: ServerState, body: Any, rid: str) -> str:
     except GrammarError as exc:
         param = exc.param if exc.param.startswith("tools[") else "tool_choice"
         log.warning("request %s: %s refused: %s", rid, param, exc)
-        raise APIError(400, str(exc), param=param) from exc
+        raise RequestError(str(exc), param=param) from exc

@@ -306,10 +306,10 @@ def test_the_engine_builds_only_what_its_own_sandbox_passed() -> None:
     """A constraint that reaches the engine without the HTTP process's check (the offline Engine here): the
     engine's sandbox meets the crash, the request is refused, the engine goes on."""
     import redraft
-    from redraft.engine.core import RequestRejected
+    from redraft.protocol.errors import RequestError
 
     with redraft.Engine(model_path=str(BUNDLED_MODEL_DIR), device="cpu", dtype="float32", progress=False) as eng:
-        with pytest.raises(RequestRejected, match="could not be compiled: the compiler crashed") as info:
+        with pytest.raises(RequestError, match="could not be compiled: the compiler crashed") as info:
             eng.generate(prompt="hi", sampling_params={"max_new_tokens": 8, "lark": LARK_JSON_CHAIN})
         assert info.value.param == "lark"
         out = eng.generate(prompt="7*6=", sampling_params={"max_new_tokens": 8, "regex": "[0-9]{1,3}"})

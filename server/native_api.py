@@ -1,0 +1,303 @@
+"""SGLang's native routes: POST /generate (JSON or SSE, one chunk per committed block), POST /abort_request,
+POST /flush_cache, GET /health (pings the engine), GET /live (does not), GET /server_info and /model_info (also
+under their older get_ names, in SGLang's shapes), GET /metrics, GET /version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from importlib.metadata import version as package_version
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from redraft.engine.output_stream import OutputStream
+from redraft.protocol.errors import RequestError
+from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
+from redraft.server.common import (RETRY_AFTER, ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
+                                   check_model, client_rid, engine_error, engine_rid, error_response, run_all,
+                                   run_until_disconnect, sse, sse_error, start_streams)
+from redraft.server.dials import DIALS, DialError, lift_dials
+from redraft.server.engine_client import EngineDead
+from redraft.server.likelihood_api import all_prompt_logprobs
+from redraft.server.metrics import CONTENT_TYPE_LATEST
+from redraft.server.openai_api import aborted_error
+from redraft.server.openai_protocol import reject_lone_surrogates
+from redraft.server.param_names import RouteNames, generate_names
+from redraft.server.routing import DepthCheckedRoute, State
+from redraft.server.structured import check_native_constraint
+
+log = logging.getLogger("redraft.http")
+SMG_NO_MODEL = "unknown"  # the `model` smg puts on a /generate that named none
+UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "return_bytes", "background")  # only false
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    rid: str | None = None
+    # SGLang's logprob fields: output logprobs (return_logprob), the prompt's from logprob_start_len (-1: none),
+    # top_logprobs_num alternatives at each position; entries are [logprob, id, text], text None unless asked
+    return_logprob: bool = False
+    logprob_start_len: int = Field(default=-1, ge=-1)
+    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    return_text_in_logprobs: bool = False  # the third entry of each logprob tuple: the token's text
+    # what SGLang clients and sglang-router add (docs/scaling.md): `model` must name the served model; the
+    # logging switches are no-ops; the features redraft lacks are accepted only when off
+    model: str | None = None
+    metadata: dict[str, str] | None = None  # may carry dials (server/dials.py)
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:  # lone surrogates would fail the tokenizer or the reply: a 500
+        return reject_lone_surrogates(data)
+
+
+class AbortBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rid: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:  # lone surrogates would fail the tokenizer or the reply: a 500
+        return reject_lone_surrogates(data)
+
+
+router = APIRouter(route_class=DepthCheckedRoute)
+
+
+# ---- service routes ---------------------------------------------------------------------------------------
+@router.get("/version")
+async def version():
+    return {"version": package_version("redraft")}
+
+
+@router.get("/health")
+async def health(state: State):
+    if state.draining:  # load balancers: stop sending here
+        return error_response(RequestError("the server is shutting down", status=503, code="shutting_down"))
+    try:
+        await state.client.ping(timeout=5.0)
+    except (EngineDead, asyncio.TimeoutError):
+        return error_response(RequestError("the engine is not responding", status=503, code="engine_unavailable",
+                                           headers=RETRY_AFTER))
+    return Response(status_code=200)
+
+
+@router.get("/live")
+async def live(state: State):
+    """Liveness: the HTTP process answers and its engine is running or being restarted (no engine round trip;
+    /health checks the engine). 503 once the engine could not be restarted (the server is exiting)."""
+    if state.client.failed:
+        return error_response(RequestError("the engine could not be restarted", status=503, code="engine_failed"))
+    return Response(status_code=200)
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(state: State):
+    stats = {}
+    with contextlib.suppress(EngineDead, asyncio.TimeoutError):
+        stats = await state.client.ping(timeout=2.0)
+    return {**state.client.info, "model_name": state.model_name, "engine_alive": state.client.alive, **stats}
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(state: State):
+    """SGLang's shape (sglang-router reads it when a worker registers)."""
+    path = state.client.info.get("model_path") or state.model_path
+    config: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        config = json.loads((Path(path) / "config.json").read_text())
+    return {"model_path": path, "tokenizer_path": path, "served_model_name": state.model_name,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": config.get("model_type"), "architectures": config.get("architectures"),
+            "max_model_len": state.max_model_len}
+
+
+@router.get("/metrics")
+async def metrics(state: State):
+    try:
+        state.metrics.set_engine_stats(await state.client.ping(timeout=2.0), state.client.info)
+    except (EngineDead, asyncio.TimeoutError):
+        state.metrics.set_engine_down()
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---- admin routes (the admin key, with --api-key: server/middleware.py) ----------------------------------
+@router.post("/flush_cache")
+async def flush_cache(state: State):
+    try:
+        result = await state.client.flush_cache()
+    except (EngineDead, asyncio.TimeoutError) as exc:
+        raise engine_error(exc) from exc
+    if not result.ok:
+        raise RequestError(result.message, code="cache_in_use")
+    return {"flushed": True}
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortBody, state: State):
+    """The admin ends a request by the id its client sees (`<X-Request-Id>-<choice>`, a /generate rid): every
+    in-flight request of that id, under any API key; or by the engine's scoped id (`<scope>/<id>`, in the
+    engine's log). Answers as before whether or not one was running (aborting is idempotent)."""
+    targets = {r for r in state.client.in_flight_rids
+               if r == body.rid or (state.api_keys and client_rid(r) == body.rid)}
+    for rid in targets or {body.rid}:
+        await state.client.abort(rid)
+    log.info("admin abort of %r: %d request(s) in flight", body.rid, len(targets))
+    return {"rid": body.rid}
+
+
+# ---- /generate --------------------------------------------------------------------------------------------
+@router.post("/generate")
+async def generate(body: GenerateBody, request: Request, state: State):
+    # smg fills in "unknown" when the client named no model: that is no model, not a wrong one
+    check_model(state, None if body.model == SMG_NO_MODEL else body.model)
+    for flag in UNSUPPORTED_FLAGS:
+        if getattr(body, flag):
+            raise RequestError(f"{flag} is not supported (only false)", param=flag)
+    names = generate_names("text" if body.text is not None else "input_ids")
+    prompts = await _native_prompts(state, body, names)
+    params = _sampling_params(body, names)
+    await check_native_constraint(state, params, names, body.rid or request.state.request_id)
+    input_lps = None
+    if body.return_logprob and body.logprob_start_len >= 0:  # the prompt's staircase values
+        if body.stream:
+            raise RequestError("input logprobs (logprob_start_len >= 0) need stream=false", param="stream")
+        input_lps = await all_prompt_logprobs(state, request, prompts, body.logprob_start_len,
+                                              body.top_logprobs_num, "logprob_start_len")
+    if body.stream and len(prompts) != 1:
+        raise RequestError("stream=true takes a single prompt", param="stream")
+    base_rid = body.rid or uuid.uuid4().hex
+    rids = [base_rid] if len(prompts) == 1 else [f"{base_rid}-{i}" for i in range(len(prompts))]
+    rids = [engine_rid(request, r) for r in rids]  # scoped by the API key; meta_info.id stays the client's
+    streams = await start_streams(state, rids, prompts, [params] * len(prompts), names, count_param=names.prompt)
+    if body.stream:
+        return StreamingResponse(_native_sse(streams[0]), media_type="text/event-stream")
+    outs = await run_until_disconnect(request, run_all(streams))
+    results = _native_results(state, body, outs, prompts, input_lps)
+    batch = isinstance(body.text, list) or _is_batch_ids(body.input_ids)
+    return results if batch else results[0]
+
+
+def _sampling_params(body: GenerateBody, names: RouteNames) -> SamplingParams:
+    """sampling_params with the carried dials and SGLang's logprob fields, checked."""
+    raw_params = _with_carried_dials(body)
+    check_logit_bias_keys(raw_params.get("logit_bias"), "sampling_params.logit_bias")
+    if body.return_logprob:
+        raw_params.update(logprobs=True, top_logprobs=body.top_logprobs_num)
+    try:
+        return SamplingParams.from_dict(raw_params)
+    except SamplingParamsError as exc:
+        raise names.params_error(exc) from exc
+
+
+def _native_results(state: ServerState, body: GenerateBody, outs: list[OutputStream], prompts: list[list[int]],
+                    input_lps: list[list] | None) -> list[dict]:
+    """The non-streamed answer of every prompt (a 500 naming the reason when the engine failed one)."""
+    failed = next((o for o in outs if _error_finish(o)), None)
+    if failed is not None:  # a failure inside the engine ended it: a 500 naming the reason, never a 200
+        raise aborted_error(failed)
+    results = [_native_payload(o, final=True) for o in outs]
+    for res, ids, lps in zip(results, prompts, input_lps or []):
+        res["meta_info"]["input_token_logprobs"] = [[e[0] if e else None, t, None] for t, e in zip(ids, lps)]
+        res["meta_info"]["input_top_logprobs"] = [[[v, a, None] for a, v in e[1]] if e else None for e in lps]
+    if body.return_text_in_logprobs:
+        for res in results:
+            _token_texts(res["meta_info"], state.tokenizer)
+    return results
+
+
+def _with_carried_dials(body: GenerateBody) -> dict[str, Any]:
+    """sampling_params with the dials that came in `sampling_params.custom_params` or `metadata` (smg keeps
+    both; server/dials.py)."""
+    raw = dict(body.sampling_params or {})
+    custom = raw.pop("custom_params", None)
+    if custom is not None and (not isinstance(custom, dict) or set(custom) - set(DIALS)):
+        raise RequestError(f"sampling_params.custom_params may hold only redraft's dials ({', '.join(DIALS)})",
+                           param="sampling_params.custom_params")
+    try:
+        return lift_dials(raw, {"sampling_params.custom_params": custom, "metadata": body.metadata},
+                          prefix="sampling_params.")
+    except DialError as exc:
+        raise RequestError(str(exc), param=exc.param) from exc
+
+
+def _token_texts(meta: dict, tokenizer: Any) -> None:
+    """return_text_in_logprobs: fill the third entry of every [logprob, id, text] with the token's text."""
+    def fill(entry: list | None) -> None:
+        if entry is not None:
+            entry[2] = tokenizer.decode([entry[1]], skip_special_tokens=False)
+
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        for entry in meta.get(key) or []:
+            fill(entry)
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        for row in meta.get(key) or []:
+            for entry in row or []:
+                fill(entry)
+
+
+def _is_batch_ids(ids: Any) -> bool:
+    return bool(ids) and isinstance(ids[0], list)
+
+
+async def _native_prompts(state: ServerState, body: GenerateBody, names: RouteNames) -> list[list[int]]:
+    if (body.text is None) == (body.input_ids is None):
+        raise RequestError("give exactly one of text or input_ids", param="text")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        check_choice_count(state, len(texts), names.prompt)  # before tokenizing them
+        prompts = [await state.encode(t, "text") for t in texts]
+    else:
+        prompts = body.input_ids if _is_batch_ids(body.input_ids) else [body.input_ids]  # type: ignore[list-item]
+    if not prompts:  # an empty batch; an empty prompt is the engine's to refuse
+        raise RequestError("the prompt is empty", param=names.prompt)
+    return [list(p) for p in prompts]
+
+
+def _error_finish(out: OutputStream) -> bool:
+    return (out.finish_reason or {}).get("type") == "error"
+
+
+def _native_payload(out: OutputStream, final: bool = False) -> dict:
+    """SGLang's native shape: the text decided so far (all of it at the end), every output id, meta_info."""
+    text = out.text if final else out.detok.released
+    return {"text": text, "output_ids": list(out.ids), "meta_info": out.meta_info()}
+
+
+async def _native_sse(stream: ChoiceStream) -> AsyncIterator[str]:
+    """One SSE chunk per committed block (cumulative text and ids, as SGLang streams them), then [DONE]."""
+    try:
+        async for _ in stream.updates():
+            yield sse(_native_payload(stream.out, final=stream.out.finished))
+            if stream.out.finished and _error_finish(stream.out):  # its last chunk, then the error
+                yield sse_error(aborted_error(stream.out))
+                break
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in the stream
+        yield sse_error(exc)
+    finally:
+        await stream.close()
+    yield "data: [DONE]\n\n"

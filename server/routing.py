@@ -1,0 +1,70 @@
+"""What every route module builds its `APIRouter` from: the route class that refuses a body nested too deep
+before anything parses it further, and the dependency that hands a route the app's `ServerState`.
+
+    router = APIRouter(route_class=DepthCheckedRoute)
+
+    @router.post("/v1/thing")
+    async def thing(body: ThingBody, state: State): ...
+
+A router's routes keep its route class when `create_app` includes them (server/http_server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from redraft.server.common import ServerState
+from redraft.server.openai_protocol import MAX_JSON_DEPTH, too_deep
+
+
+async def server_state(request: Request) -> ServerState:
+    """The app's ServerState (set by create_app). Async: a plain function would run on a worker thread."""
+    return request.app.state.redraft
+
+
+State = Annotated[ServerState, Depends(server_state)]  # a route's parameter of this type receives it
+
+
+class NestingTooDeep(StarletteHTTPException):
+    """A body nested deeper than MAX_JSON_DEPTH. An HTTPException, because FastAPI's body parsing passes those
+    on (anything else becomes a bare 400); the app's HTTPException handler answers it in OpenAI's shape."""
+
+    code = "nesting_too_deep"
+
+    def __init__(self, path: list[str]):
+        shown = ".".join(path[:8]) + (".…" if len(path) > 8 else "")
+        super().__init__(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep (at {shown})")
+        self.param = ".".join(path[:8]) or None
+
+
+class DepthCheckedRequest(Request):
+    """A request whose JSON body is refused, before any validation or recursion sees it, when it is nested too
+    deep: one bounded, iterative scan at the edge (skipped when the body has too few brackets to be that deep)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            value = json.loads(body)
+            if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
+                path = too_deep(value) if len(body) < 2**20 else await asyncio.to_thread(too_deep, value)
+                if path is not None:
+                    raise NestingTooDeep(path)
+            self._json = value
+        return self._json
+
+
+class DepthCheckedRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(DepthCheckedRequest(request.scope, request.receive))
+
+        return route
