@@ -82,9 +82,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     params = {}  # what the command line names; the engine resolves the rest (defaults chain)
-    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps", "seed"):
+    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps"):
         if getattr(args, key) is not None:
             params[key] = getattr(args, key)
+    if args.request_seed is not None:
+        params["seed"] = args.request_seed
     out = engine.generate(input_ids=prompt_ids, sampling_params=params)
     if args.json:
         print(json.dumps(out, indent=2))
@@ -143,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--edit-threshold", type=float, default=None)
     gen.add_argument("--max-post-steps", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    # dest request_seed: the request's sampling seed, never ServerArgs.seed (the seed of --load-format dummy weights)
+    gen.add_argument("--seed", dest="request_seed", type=int, default=None,
+                     help="the request's sampling seed (temperature > 0)")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
     gen.set_defaults(func=cmd_generate)
 
