@@ -1,4 +1,4 @@
-"""The `redraft` command: serve, generate, make-tiny, bench."""
+"""The `redraft` command: serve, generate, make-tiny, bench, plan."""
 
 from __future__ import annotations
 
@@ -118,10 +118,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from redraft.clients.memory_plan import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.",
                                      epilog="Each command has its own flags: `redraft serve --help`, "
-                                            "`redraft generate --help`, `redraft bench --help`.")
+                                            "`redraft generate --help`, `redraft bench --help`, `redraft plan --help`.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from redraft.protocol.server_args import ServerArgs
@@ -166,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
                                        "See `python -m redraft.clients.bench --help` for the details.")
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from redraft.clients.memory_plan import __doc__ as plan_doc, add_plan_args
+
+    plan = sub.add_parser("plan", help="memory plan: weights and KV-cache tokens per GPU for each tensor-parallel "
+                                       "size (from a config; no weights read)",
+                          description=plan_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
 
     # The demo-model commands keep their own parsers (training/); main() hands them the rest of the line.
     sub.add_parser("train-demo", add_help=False,
