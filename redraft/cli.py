@@ -124,12 +124,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.",
-                                     epilog="Each command has its own flags: `redraft serve --help`, "
-                                            "`redraft generate --help`, `redraft bench --help`, `redraft plan --help`.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_engine_commands(sub: "argparse._SubParsersAction") -> None:
+    """serve and generate: their engine flags come from ServerArgs."""
     from redraft.protocol.server_args import ServerArgs
 
     srv = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible and SGLang-native routes",
@@ -157,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_tool_commands(sub: "argparse._SubParsersAction") -> None:
+    """make-tiny, and the client-side tools of redraft.clients: bench and plan."""
     tiny = sub.add_parser("make-tiny", help="write a tiny random LLaDA2 checkpoint (Hugging Face layout)")
     tiny.add_argument("out")
     tiny.add_argument("--seed", type=int, default=0)
@@ -181,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(plan)
     plan.set_defaults(func=cmd_plan)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.",
+                                     epilog="Each command has its own flags: `redraft serve --help`, "
+                                            "`redraft generate --help`, `redraft bench --help`, `redraft plan --help`.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_engine_commands(sub)
+    _add_tool_commands(sub)
     # The demo-model commands keep their own parsers (training/); main() hands them the rest of the line.
     sub.add_parser("train-demo", add_help=False,
                    help="train (or resume) the bundled demo model on CPU; `redraft train-demo --help`")
