@@ -1,1 +1,2 @@
-"""redraft.clients"""
+"""redraft.clients: the client-side commands that ship with the package, `redraft bench` (bench.py, sse.py) and
+`redraft plan` (memory_plan.py). The benchmark scripts behind the documented figures live in benchmarks/."""

@@ -2,9 +2,9 @@
 weights per rank in bf16 and FP8, KV-cache bytes per token per rank, and how many tokens of KV fit next to the
 weights in a fraction of a GPU's memory. Computed from a config alone (no weights are read).
 
-    python -m redraft.clients.memory_plan                       # LLaDA2.1-mini and -flash, TP 1/2/4/8, H100 and H200
-    python -m redraft.clients.memory_plan --config path/to/config.json --tp 1 2
-    python -m redraft.clients.memory_plan --measure path/to/checkpoint --tp 1 2 4   # load rank 0 of each layout
+    redraft plan                                          # LLaDA2.1-mini and -flash, TP 1/2/4/8, H100 and H200
+    redraft plan --config path/to/config.json --tp 1 2
+    redraft plan --measure path/to/checkpoint --tp 1 2 4  # load rank 0 of each layout
 
 The layout it assumes (the one docs/scaling.md describes): attention heads split over the TP ranks (KV heads
 too; with more ranks than KV heads each rank keeps one KV head, replicated), the dense MLP and the shared expert
@@ -155,16 +155,16 @@ def measure(path: Path, tps: list[int], dtype: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m redraft.clients.memory_plan", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", type=Path, action="append", help="a config.json (default: mini and flash)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
     ap.add_argument("--measure", type=Path, metavar="CHECKPOINT",
                     help="load rank 0 of each --tp layout of this checkpoint and report what it holds")
     ap.add_argument("--dtype", default="bfloat16", help="with --measure: the model dtype")
-    args = ap.parse_args(argv)
+
+
+def run_cli(args: argparse.Namespace) -> int:
     if args.measure:
         print(measure(args.measure, args.tp, args.dtype))
         return 0
@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
     return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="redraft plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_args(ap)
+    return run_cli(ap.parse_args(argv))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -180,6 +180,44 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     return model.eval().requires_grad_(False)
 
 
+class _LoadState:
+    """What load_weights has read so far, for the checks that need the whole checkpoint."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.stored_fp8: set[str] = set()  # weights read as e4m3: their `_scale_inv` must come too
+        self.quantized: set[str] = set()  # weights quantised here: a `_scale_inv` for them would be stale
+
+
+def _copy_tensor(model: LLaDA2Model, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor,
+                 target: Target, index: tuple, state: _LoadState) -> None:
+    """One checkpoint tensor into its parameter (at `index` within it): copied, or quantised to e4m3 here."""
+    dest = params[target.param].data
+    view = dest[index] if index else dest
+    if tensor.dtype == fp8q.FP8_DTYPE and view.dtype != fp8q.FP8_DTYPE:
+        raise CheckpointError(f"tensor {name!r} is float8 but {target.param} is not a quantised weight")
+    if view.dtype == fp8q.FP8_DTYPE and tensor.dtype != fp8q.FP8_DTYPE:
+        fp8_model.quantize_into(model, target.param, tensor, index)  # bf16/fp32 -> e4m3 + scales
+        state.quantized.add(name)
+    else:
+        view.copy_(tensor.to(device=view.device, dtype=view.dtype))
+        if tensor.dtype == fp8q.FP8_DTYPE:
+            state.stored_fp8.add(name)
+
+
+def _check_complete(targets: dict[str, Target], state: _LoadState, model_dir: Path) -> None:
+    """Every expected tensor came, and FP8 weights and their scales came in pairs."""
+    scales = {n[: -len(SCALE_SUFFIX)] for n in state.seen if n.endswith(SCALE_SUFFIX)}
+    if stale := sorted(scales & state.quantized):
+        raise CheckpointError(f"{stale[0]!r} is stored in full precision but has a {SCALE_SUFFIX} tensor")
+    if unscaled := sorted(state.stored_fp8 - scales):
+        raise CheckpointError(f"float8 tensor {unscaled[0]!r} has no {unscaled[0]}{SCALE_SUFFIX} beside it")
+    missing = [n for n in targets if n not in state.seen and not n.endswith(SCALE_SUFFIX)]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {model_dir} lacks tensor(s): {', '.join(missing[:5])}{more}")
+
+
 def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = True, *,
                  cfg: ModelConfig | None = None, layout: RankLayout | None = None) -> None:
     """Copy every checkpoint tensor into `model` (checked against the full config `cfg`, default model.cfg).
@@ -189,9 +227,7 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
     cfg = cfg or model.cfg
     targets = expected_tensors(cfg, fp8_checkpoint=checkpoint_quantization(cfg) == "fp8")
     params = dict(model.named_parameters()) | dict(model.named_buffers())
-    seen: set[str] = set()
-    stored_fp8: set[str] = set()  # weights read as e4m3: their `_scale_inv` must come too
-    quantized: set[str] = set()  # weights quantised here: a `_scale_inv` for them would be stale
+    state = _LoadState()
     files = checkpoint_files(model_dir)
     total = sum(not n.endswith(SCALE_SUFFIX) for n in targets)
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
@@ -205,13 +241,13 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
                 target = targets.get(name)
                 if target is None:
                     raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: not part of this config")
-                if name in seen:
+                if name in state.seen:
                     raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
                 piece = f.get_slice(name)
                 shape = tuple(piece.get_shape())
                 if shape != target.shape:
                     raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {target.shape} from config.json")
-                seen.add(name)
+                state.seen.add(name)
                 if not name.endswith(SCALE_SUFFIX):
                     bar.update(1)
                 cut = layout.cut(name, cfg) if layout is not None else None
@@ -219,28 +255,10 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
                     continue
                 tensor = f.get_tensor(name) if cut is None else cut.apply(piece)
                 index = layout.local_index(target.index, cut, cfg.num_experts) if layout else target.index
-                dest = params[target.param].data
-                view = dest[index] if index else dest
-                if tensor.dtype == fp8q.FP8_DTYPE and view.dtype != fp8q.FP8_DTYPE:
-                    raise CheckpointError(f"tensor {name!r} is float8 but {target.param} is not a quantised weight")
-                if view.dtype == fp8q.FP8_DTYPE and tensor.dtype != fp8q.FP8_DTYPE:
-                    fp8_model.quantize_into(model, target.param, tensor, index)  # bf16/fp32 -> e4m3 + scales
-                    quantized.add(name)
-                else:
-                    view.copy_(tensor.to(device=view.device, dtype=view.dtype))
-                    if tensor.dtype == fp8q.FP8_DTYPE:
-                        stored_fp8.add(name)
+                _copy_tensor(model, params, name, tensor, target, index, state)
     bar.close()
-    scales = {n[: -len(SCALE_SUFFIX)] for n in seen if n.endswith(SCALE_SUFFIX)}
-    if stale := sorted(scales & quantized):
-        raise CheckpointError(f"{stale[0]!r} is stored in full precision but has a {SCALE_SUFFIX} tensor")
-    if unscaled := sorted(stored_fp8 - scales):
-        raise CheckpointError(f"float8 tensor {unscaled[0]!r} has no {unscaled[0]}{SCALE_SUFFIX} beside it")
-    missing = [n for n in targets if n not in seen and not n.endswith(SCALE_SUFFIX)]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {model_dir} lacks tensor(s): {', '.join(missing[:5])}{more}")
-    log.info("loaded %d tensors from %d file(s) in %s", len(seen), len(files), model_dir)
+    _check_complete(targets, state, model_dir)
+    log.info("loaded %d tensors from %d file(s) in %s", len(state.seen), len(files), model_dir)
 
 
 def init_dummy_weights(model: LLaDA2Model, seed: int = 0) -> None:

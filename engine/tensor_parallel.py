@@ -211,7 +211,7 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
     engine process (when it started us from its main thread)."""
     shield_from_group_signals(die_with_parent)
     from redraft.engine.loader import load_model
-    from redraft.engine.defaults import resolve_model_path
+    from redraft.engine.model_path import resolve_model_path
     from redraft.engine.model_runner import ModelRunner
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,12 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as _HFTokenizer
 
 from redraft.engine.config import ModelConfig
-from redraft.engine.tokenizer import (BOS_TOKEN, EOS_TOKEN, MASK_TOKEN, build_bpe_tokenizer,
-                                      load_default_chat_template, save_pretrained_tokenizer)
+from redraft.engine.tokenizer import (BOS_TOKEN, EOS_TOKEN, MASK_TOKEN, load_default_chat_template,
+                                      save_pretrained_tokenizer)
 
+# The tiny checkpoints' byte-level BPE, trained once on a toy corpus (training/bpe.py, which rewrites this file)
+# and frozen here, so that making a checkpoint trains nothing.
+TINY_TOKENIZER_FILE = Path(__file__).resolve().parent / "tiny_tokenizer.json"
 TINY_TOKENIZER_VOCAB = 448  # 256 bytes + 12 specials + ~180 merges
 
 # The architecture of every tiny checkpoint; vocab_size and pad_token_id come from the tokenizer.
@@ -70,128 +72,106 @@ _SELF_COPY = 20.0  # lm_head leans towards each token's own embedding: filled po
 _MASK_EMBED_SCALE = 0.05  # a masked position's state should come from its context, not the mask embedding
 _EXPERT_BIAS_STD = 0.05
 
-_WORDS = {
-    "det": ["the", "a", "this", "that", "every", "one", "some", "no"],
-    "adj": ["small", "quiet", "bright", "old", "green", "fast", "warm", "heavy", "simple", "strange", "happy",
-            "dark", "clever", "gentle", "broken", "golden"],
-    "noun": ["cat", "river", "machine", "garden", "teacher", "city", "model", "bird", "engine", "letter",
-             "window", "story", "market", "number", "forest", "question", "tower", "friend", "token", "block"],
-    "verb": ["sees", "finds", "builds", "moves", "likes", "writes", "opens", "follows", "answers", "carries",
-             "counts", "draws", "remembers", "changes", "reads", "keeps"],
-    "adv": ["slowly", "quickly", "often", "never", "again", "today", "carefully", "together", "almost", "always"],
-    "prep": ["near", "under", "behind", "over", "inside", "beside", "across", "after", "before", "with"],
-}
-_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "Write a short poem.",
-              "Explain why the sky is blue.", "What is 17 times 23?", "Hello! How are you today?",
-              "Translate 'good morning' into German.", "List three prime numbers."]
+
+@lru_cache(maxsize=1)
+def _tiny_tokenizer_json() -> str:
+    return TINY_TOKENIZER_FILE.read_text(encoding="utf-8")
 
 
-def tiny_corpus(n_sentences: int = 400, seed: int = 1234) -> list[str]:
-    """A small deterministic English-ish corpus (sentences from a toy grammar, numbers, some code)."""
-    rng = random.Random(seed)
-    w = _WORDS
-    out: list[str] = []
-    for i in range(n_sentences):
-        kind = i % 5
-        if kind == 0:
-            s = f"{rng.choice(w['det']).capitalize()} {rng.choice(w['adj'])} {rng.choice(w['noun'])} " \
-                f"{rng.choice(w['verb'])} {rng.choice(w['det'])} {rng.choice(w['noun'])} {rng.choice(w['adv'])}."
-        elif kind == 1:
-            s = f"{rng.choice(w['det']).capitalize()} {rng.choice(w['noun'])} {rng.choice(w['prep'])} " \
-                f"{rng.choice(w['det'])} {rng.choice(w['adj'])} {rng.choice(w['noun'])} is {rng.choice(w['adj'])}, " \
-                f"and it {rng.choice(w['verb'])} {rng.randint(2, 999)} {rng.choice(w['noun'])}s."
-        elif kind == 2:
-            a, b = rng.randint(1, 99), rng.randint(1, 99)
-            s = f"Question: what is {a} plus {b}? Answer: {a + b}."
-        elif kind == 3:
-            s = f"def {rng.choice(w['verb'])}_{rng.choice(w['noun'])}(x):\n    return x + {rng.randint(0, 9)}\n"
-        else:
-            s = rng.choice(_QUESTIONS) + " " + f"The {rng.choice(w['noun'])} {rng.choice(w['verb'])} it."
-        out.append(s)
-    return out
-
-
-@lru_cache(maxsize=4)
-def _tiny_tokenizer_json(vocab_size: int) -> str:
-    # Training is deterministic for a fixed corpus; caching the JSON keeps repeated checkpoint builds fast.
-    return build_bpe_tokenizer(tiny_corpus(), vocab_size).to_str()
-
-
-def tiny_tokenizer(vocab_size: int = TINY_TOKENIZER_VOCAB) -> _HFTokenizer:
+def tiny_tokenizer() -> _HFTokenizer:
     """The tokenizer every tiny checkpoint ships (independent of the weight seed)."""
-    return _HFTokenizer.from_str(_tiny_tokenizer_json(vocab_size))
+    return _HFTokenizer.from_str(_tiny_tokenizer_json())
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
 
 
-def _random_weights(cfg: ModelConfig, gen: torch.Generator, eos_id: int, mask_id: int) -> dict[str, torch.Tensor]:
-    """All tensors, official names, float32 (cast later). Creation order is fixed: it defines the stream."""
-    h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+class _Draws:
+    """Random float32 tensors from one generator. Every tensor of a checkpoint is drawn in a fixed order (the
+    order of the calls defines the stream, so reordering them would change every seed's weights)."""
 
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * std
+    def __init__(self, gen: torch.Generator, hidden: int) -> None:
+        self.gen, self.h = gen, hidden
 
-    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+    def normal(self, *shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen) * std
+
+    def linear(self, out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
         # Unit-variance outputs for unit-variance inputs: activations neither vanish nor explode with depth.
-        return normal(out_f, in_f, std=gain / math.sqrt(in_f))
+        return self.normal(out_f, in_f, std=gain / math.sqrt(in_f))
 
-    def norm_weight(n: int, gain: float = 1.0) -> torch.Tensor:
-        return gain * (1.0 + normal(n, std=0.1))
+    def norm_weight(self, n: int, gain: float = 1.0) -> torch.Tensor:
+        return gain * (1.0 + self.normal(n, std=0.1))
 
-    def residual_out(w: torch.Tensor) -> torch.Tensor:
+    def residual_out(self, out_f: int, in_f: int) -> torch.Tensor:
         # Weights that write into the residual stream leave the bias coordinate untouched.
+        w = self.linear(out_f, in_f)
         w[_BIAS_COORD] = 0.0
         return w
 
-    def swiglu(prefix: str, inter: int, out: dict[str, torch.Tensor]) -> None:
-        out[f"{prefix}.gate_proj.weight"] = linear(inter, h)
-        out[f"{prefix}.up_proj.weight"] = linear(inter, h)
-        out[f"{prefix}.down_proj.weight"] = residual_out(linear(h, inter))
+    def swiglu(self, prefix: str, inter: int, out: dict[str, torch.Tensor]) -> None:
+        out[f"{prefix}.gate_proj.weight"] = self.linear(inter, self.h)
+        out[f"{prefix}.up_proj.weight"] = self.linear(inter, self.h)
+        out[f"{prefix}.down_proj.weight"] = self.residual_out(self.h, inter)
 
+
+def _layer_weights(cfg: ModelConfig, i: int, draw: _Draws, t: dict[str, torch.Tensor]) -> None:
+    """Layer i's tensors into `t`: attention, then the dense MLP (first_k_dense_replace) or the MoE."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    p = f"model.layers.{i}"
+    t[f"{p}.input_layernorm.weight"] = draw.norm_weight(h)
+    t[f"{p}.attention.query_key_value.weight"] = draw.linear((nq + 2 * nkv) * d, h)
+    t[f"{p}.attention.query_layernorm.weight"] = draw.norm_weight(d, _QK_NORM_GAIN)
+    t[f"{p}.attention.key_layernorm.weight"] = draw.norm_weight(d, _QK_NORM_GAIN)
+    t[f"{p}.attention.dense.weight"] = draw.residual_out(h, nq * d)
+    t[f"{p}.post_attention_layernorm.weight"] = draw.norm_weight(h)
+    if i < cfg.first_k_dense_replace:
+        draw.swiglu(f"{p}.mlp", cfg.intermediate_size, t)
+        return
+    t[f"{p}.mlp.gate.weight"] = draw.linear(cfg.num_experts, h)
+    t[f"{p}.mlp.gate.expert_bias"] = draw.normal(cfg.num_experts, std=_EXPERT_BIAS_STD)
+    for e in range(cfg.num_experts):
+        draw.swiglu(f"{p}.mlp.experts.{e}", cfg.moe_intermediate_size, t)
+    # The shared expert(s) are one SwiGLU of width num_shared_experts * moe_intermediate_size.
+    draw.swiglu(f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * cfg.num_shared_experts, t)
+
+
+def _lm_head(cfg: ModelConfig, draw: _Draws, embed: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor:
+    """[V, H]: random rows of log-normal norms, EOS and MASK wired to the bias unit, a lean to self-copy."""
+    v, h = cfg.vocab_size, cfg.hidden_size
+    row_scale = torch.exp(draw.normal(v, 1, std=_LM_HEAD_ROW_LOGSTD))
+    lm_head = draw.linear(v, h, _LM_HEAD_GAIN) * row_scale
+    # The decoder must never "unmask" to MASK itself: a strongly negative weight on the bias unit.
+    lm_head[mask_id] = 0.0
+    lm_head[mask_id, _BIAS_COORD] = -_EOS_BOOST
+    # EOS reads only the bias unit: its logit is EOS_BOOST / rms(h), the same scale for every seed.
+    lm_head[eos_id] = 0.0
+    lm_head[eos_id, _BIAS_COORD] = _EOS_BOOST
+    # Filled positions lean towards keeping their own token (EOS too, so an EOS tail is stable); without
+    # this, T2T edits flip random tokens forever and no block ever converges before max_post_steps.
+    copy = (_SELF_COPY / h) * embed
+    copy[:, _BIAS_COORD] = 0.0  # the bias unit carries no token identity
+    copy[mask_id] = 0.0
+    return lm_head + copy
+
+
+def _random_weights(cfg: ModelConfig, gen: torch.Generator, eos_id: int, mask_id: int) -> dict[str, torch.Tensor]:
+    """All tensors, official names, float32 (cast later). Creation order is fixed: it defines the stream."""
+    draw = _Draws(gen, cfg.hidden_size)
     t: dict[str, torch.Tensor] = {}
-    embed = normal(v, h, std=_EMBED_STD)
+    embed = draw.normal(cfg.vocab_size, cfg.hidden_size, std=_EMBED_STD)  # [V, H]
     embed[mask_id] *= _MASK_EMBED_SCALE
     embed[:, _BIAS_COORD] = _BIAS_VALUE
     t["model.word_embeddings.weight"] = embed
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        t[f"{p}.input_layernorm.weight"] = norm_weight(h)
-        t[f"{p}.attention.query_key_value.weight"] = linear((nq + 2 * nkv) * d, h)
-        t[f"{p}.attention.query_layernorm.weight"] = norm_weight(d, _QK_NORM_GAIN)
-        t[f"{p}.attention.key_layernorm.weight"] = norm_weight(d, _QK_NORM_GAIN)
-        t[f"{p}.attention.dense.weight"] = residual_out(linear(h, nq * d))
-        t[f"{p}.post_attention_layernorm.weight"] = norm_weight(h)
-        if i < cfg.first_k_dense_replace:
-            swiglu(f"{p}.mlp", cfg.intermediate_size, t)
-        else:
-            t[f"{p}.mlp.gate.weight"] = linear(cfg.num_experts, h)
-            t[f"{p}.mlp.gate.expert_bias"] = normal(cfg.num_experts, std=_EXPERT_BIAS_STD)
-            for e in range(cfg.num_experts):
-                swiglu(f"{p}.mlp.experts.{e}", cfg.moe_intermediate_size, t)
-            # The shared expert(s) are one SwiGLU of width num_shared_experts * moe_intermediate_size.
-            swiglu(f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * cfg.num_shared_experts, t)
-    final_norm = norm_weight(h)
+        _layer_weights(cfg, i, draw, t)
+    final_norm = draw.norm_weight(cfg.hidden_size)
     final_norm[_BIAS_COORD] = 1.0  # keeps the EOS logit's scale the same for every seed
     t["model.norm.weight"] = final_norm
     if not cfg.tie_word_embeddings:
-        row_scale = torch.exp(normal(v, 1, std=_LM_HEAD_ROW_LOGSTD))
-        lm_head = linear(v, h, _LM_HEAD_GAIN) * row_scale
-        # The decoder must never "unmask" to MASK itself: a strongly negative weight on the bias unit.
-        lm_head[mask_id] = 0.0
-        lm_head[mask_id, _BIAS_COORD] = -_EOS_BOOST
-        # EOS reads only the bias unit: its logit is EOS_BOOST / rms(h), the same scale for every seed.
-        lm_head[eos_id] = 0.0
-        lm_head[eos_id, _BIAS_COORD] = _EOS_BOOST
-        # Filled positions lean towards keeping their own token (EOS too, so an EOS tail is stable); without
-        # this, T2T edits flip random tokens forever and no block ever converges before max_post_steps.
-        copy = (_SELF_COPY / h) * embed
-        copy[:, _BIAS_COORD] = 0.0  # the bias unit carries no token identity
-        copy[mask_id] = 0.0
-        lm_head += copy
-        t["lm_head.weight"] = lm_head
+        t["lm_head.weight"] = _lm_head(cfg, draw, embed, eos_id, mask_id)
     return t
 
 
@@ -208,6 +188,46 @@ def _shard(names: list[str], tensors: dict[str, torch.Tensor], shards: int) -> l
         groups[g].append(name)
         acc += size
     return groups
+
+
+def _write_safetensors(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    """model.safetensors, or `shards` model-0000i-of-0000N.safetensors files plus their index."""
+    for old in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # a re-run with another shard count must not leave stale files
+    meta = {"format": "pt"}
+    names = list(tensors)
+    if shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+        return
+    if shards > len(names):
+        raise ValueError(f"cannot split {len(names)} tensors into {shards} shards")
+    weight_map: dict[str, str] = {}
+    for k, group in enumerate(_shard(names, tensors, shards), start=1):
+        fname = f"model-{k:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(out / fname), metadata=meta)
+        weight_map.update({n: fname for n in group})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_configs(out: Path, raw: dict[str, Any], eos_id: int, bos_id: int) -> None:
+    """config.json (the architecture plus the fields Hugging Face's files carry) and generation_config.json."""
+    config_json = {
+        **raw,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "rope_scaling": None,
+        "router_dtype": "fp32",
+        "use_cache": False,
+        "output_router_logits": False,
+        "eos_token_id": eos_id,
+        "bos_token_id": bos_id,
+    }
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, *, dtype: str = "float32", shards: int = 1,
@@ -245,38 +265,6 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, *, dtype: str = "fl
     target = _DTYPES[dtype]
     tensors = {n: (t.float() if n.endswith(".expert_bias") else t.to(target)).contiguous()
                for n, t in tensors.items()}
-
-    for old in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
-        old.unlink(missing_ok=True)  # a re-run with another shard count must not leave stale files
-    meta = {"format": "pt"}
-    names = list(tensors)
-    if shards == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
-    else:
-        if shards > len(names):
-            raise ValueError(f"cannot split {len(names)} tensors into {shards} shards")
-        weight_map: dict[str, str] = {}
-        for k, group in enumerate(_shard(names, tensors, shards), start=1):
-            fname = f"model-{k:05d}-of-{shards:05d}.safetensors"
-            save_file({n: tensors[n] for n in group}, str(out / fname), metadata=meta)
-            weight_map.update({n: fname for n in group})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-    config_json = {
-        **raw,
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "attention_dropout": 0.0,
-        "rope_scaling": None,
-        "router_dtype": "fp32",
-        "use_cache": False,
-        "output_router_logits": False,
-        "eos_token_id": eos_id,
-        "bos_token_id": bos_id,
-    }
-    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_safetensors(out, tensors, shards)
+    _write_configs(out, raw, eos_id, bos_id)
     return out

@@ -20,7 +20,6 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
 # LLaDA2's special tokens, in the order the official vocabulary lists them. The mask token is what the
@@ -393,35 +392,7 @@ def _byte_level_decoder() -> dict[str, int]:
 _BYTE_LEVEL_TABLE: dict[str, int] | None = None
 
 
-# ----- building tokenizers for checkpoints we create (tiny test models, the demo model) -----
-def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int,
-                        special_tokens: Sequence[str] = LLADA2_SPECIAL_TOKENS) -> _HFTokenizer:
-    """Train a byte-level BPE like LLaDA2's (no BOS/EOS added) on `corpus`.
-
-    `vocab_size` counts the special tokens and the 256 byte symbols; a small corpus may stop short of it.
-    Special tokens get the lowest ids and are matched whole in any text, so chat-formatted training text
-    never has its markers split into merges.
-    """
-    base = 256 + len(special_tokens)
-    if vocab_size < base:
-        raise ValueError(f"vocab_size must be at least {base} (256 bytes + {len(special_tokens)} special tokens)")
-    tok = _HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    specials = [AddedToken(t, special=True, normalized=False) for t in special_tokens]
-    # Registering them before training makes the trainer skip them in the corpus.
-    tok.add_special_tokens(specials)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no unknown tokens
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return tok
-
-
+# ----- writing the tokenizer of a checkpoint we create (tiny test models, the demo model) -----
 def save_pretrained_tokenizer(tok: _HFTokenizer, out_dir: str | Path, chat_template: str | None,
                               *, model_max_length: int = 32768) -> None:
     """Write `tokenizer.json` and a HF-style `tokenizer_config.json` carrying LLaDA2's special tokens."""

@@ -367,7 +367,7 @@ def paged_attention_triton(
 
 def launch_config(group: int, head_dim: int, page: int, max_q: int, interp: bool) -> dict:
     """Tile sizes and launch options of the attention kernel (shared with the compile report of
-    clients/bench_gpu_step.py, so what is inspected is what runs).
+    benchmarks/bench_gpu_step.py, so what is inspected is what runs).
 
     GPU: ~128 rows (query tokens x heads of the group) per program and one page of keys per iteration;
     8 warps once the fp32 accumulator is 128 x 128 (at 4 warps the mini shape spills: 255 registers and a

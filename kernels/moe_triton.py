@@ -494,7 +494,7 @@ class SharedExpert:
 
 def fused_config(n_tokens: int, k_out: int, n_experts: int, hidden: int, inter: int, fp8: bool,
                  interp: bool) -> dict:
-    """Launch configuration of `_fused_moe_kernel` (shared with the compile report of clients/bench_moe.py)."""
+    """Launch configuration of `_fused_moe_kernel` (shared with the compile report of benchmarks/bench_moe.py)."""
     pairs = n_tokens * k_out
     if fp8:
         block_i = BLOCK if inter > BLOCK else max(16, next_pow2(inter))  # one activation group per slice
@@ -507,7 +507,7 @@ def fused_config(n_tokens: int, k_out: int, n_experts: int, hidden: int, inter: 
         block_k = block_k if fp8 else min(256, max(16, next_pow2(hidden)))
         return dict(BLOCK_M=max(16, min(64, next_pow2(pairs))), BLOCK_I=block_i, BLOCK_K=block_k,
                     BLOCK_N=min(256, max(16, next_pow2(hidden))), num_warps=4, num_stages=1, path="interpreter")
-    # Chosen from the sm_90 compile report (clients/bench_moe.py --compile-report): none of these spill; 16/32
+    # Chosen from the sm_90 compile report (benchmarks/bench_moe.py --compile-report): none of these spill; 16/32
     # rows run on mma.sync (HMMA, e4m3 widened to fp16), 64 rows on wgmma (HGMMA / QGMMA). Untimed: no GPU yet.
     per_expert = pairs / max(1, n_experts)
     if per_expert <= 8:  # decode-size batches: the small-token path

@@ -175,7 +175,10 @@ class ServerArgs:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> "ServerArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
+        """The fields whose flags add_cli_args registers, read from `args`. Anything else in the namespace is the
+        command's own (`redraft generate --seed` is a request's seed): a Python-only field such as `seed` (the
+        dummy weights' seed) is never read from a command line, even where a flag shares its name."""
+        names = {f.name for f in dataclasses.fields(cls) if f.metadata.get("cli")}
         values = {k: v for k, v in vars(args).items() if k in names}
         for key in ("api_key", "admin_api_key"):
             if key in values:

@@ -1,4 +1,4 @@
-"""The `redraft` command: serve, generate, make-tiny, bench."""
+"""The `redraft` command: serve, generate, make-tiny, bench, plan."""
 
 from __future__ import annotations
 
@@ -82,9 +82,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     params = {}  # what the command line names; the engine resolves the rest (defaults chain)
-    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps", "seed"):
+    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps"):
         if getattr(args, key) is not None:
             params[key] = getattr(args, key)
+    if args.request_seed is not None:
+        params["seed"] = args.request_seed
     out = engine.generate(input_ids=prompt_ids, sampling_params=params)
     if args.json:
         print(json.dumps(out, indent=2))
@@ -116,12 +118,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.",
-                                     epilog="Each command has its own flags: `redraft serve --help`, "
-                                            "`redraft generate --help`, `redraft bench --help`.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def cmd_plan(args: argparse.Namespace) -> int:
+    from redraft.clients.memory_plan import run_cli
 
+    return run_cli(args)
+
+
+def _add_engine_commands(sub: "argparse._SubParsersAction") -> None:
+    """serve and generate: their engine flags come from ServerArgs."""
     from redraft.protocol.server_args import ServerArgs
 
     srv = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible and SGLang-native routes",
@@ -143,10 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--edit-threshold", type=float, default=None)
     gen.add_argument("--max-post-steps", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    # dest request_seed: the request's sampling seed, never ServerArgs.seed (the seed of --load-format dummy weights)
+    gen.add_argument("--seed", dest="request_seed", type=int, default=None,
+                     help="the request's sampling seed (temperature > 0)")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_tool_commands(sub: "argparse._SubParsersAction") -> None:
+    """make-tiny, and the client-side tools of redraft.clients: bench and plan."""
     tiny = sub.add_parser("make-tiny", help="write a tiny random LLaDA2 checkpoint (Hugging Face layout)")
     tiny.add_argument("out")
     tiny.add_argument("--seed", type=int, default=0)
@@ -163,6 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 
+    from redraft.clients.memory_plan import __doc__ as plan_doc, add_plan_args
+
+    plan = sub.add_parser("plan", help="memory plan: weights and KV-cache tokens per GPU for each tensor-parallel "
+                                       "size (from a config; no weights read)",
+                          description=plan_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.",
+                                     epilog="Each command has its own flags: `redraft serve --help`, "
+                                            "`redraft generate --help`, `redraft bench --help`, `redraft plan --help`.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_engine_commands(sub)
+    _add_tool_commands(sub)
     # The demo-model commands keep their own parsers (training/); main() hands them the rest of the line.
     sub.add_parser("train-demo", add_help=False,
                    help="train (or resume) the bundled demo model on CPU; `redraft train-demo --help`")

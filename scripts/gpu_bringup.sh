@@ -51,7 +51,8 @@ EOF
 
 serve_bench() {
     local dir=/tmp/llada2.1-mini-dummy port=30000
-    $PY -c "from redraft.clients.bench_gpu_step import write_model_dir; write_model_dir('$dir', 'mini')" || return 1
+    $PY -c "import sys; sys.path.insert(0, 'benchmarks'); from bench_gpu_step import write_model_dir
+write_model_dir('$dir', 'mini')" || return 1
     $PY -m redraft serve --device cuda --kernel-backend triton --load-format dummy --model "$dir" --port $port \
         --max-running-requests 128 --cuda-graph-max-bs 128 --log-level info >"$OUT/serve_server.log" 2>&1 &
     local pid=$!
@@ -77,9 +78,9 @@ for phase in "${phases[@]}"; do
         info) run_phase info 60 bash -c "$(declare -f info); info" ;;
         kernels) run_phase kernels "${KERNELS_LIMIT:-200}" $PY -m pytest -q -m kernels -n 8 -p no:cacheprovider \
                      --timeout 170 -rfE ;;
-        step) run_phase step "${STEP_LIMIT:-200}" $PY -m redraft.clients.bench_gpu_step --write-docs \
+        step) run_phase step "${STEP_LIMIT:-200}" $PY benchmarks/bench_gpu_step.py --write-docs \
                   --json-out "$OUT/step.json" ;;
-        moe) run_phase moe "${MOE_LIMIT:-170}" $PY -m redraft.clients.bench_moe --write-docs \
+        moe) run_phase moe "${MOE_LIMIT:-170}" $PY benchmarks/bench_moe.py --write-docs \
                  --json-out "$OUT/moe.json" ;;
         serve) run_phase serve "${SERVE_LIMIT:-240}" bash -c "$(declare -f serve_bench); OUT='$OUT' PY='$PY' serve_bench" ;;
         *) echo "unknown phase $phase" ;;

@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 
 from redraft.engine.child_process import end_children
-from redraft.engine.defaults import resolve_model_path
+from redraft.engine.model_path import resolve_model_path
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.server_args import ServerArgs
 from redraft.server.common import ServerState

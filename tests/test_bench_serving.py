@@ -11,7 +11,10 @@ import pytest
 
 pytest.importorskip("httpx")
 
-from redraft.clients.bench_serving import make_prompts, percentile  # noqa: E402
+from bench_scripts import bench_module, bench_script  # noqa: E402
+
+bench_serving = bench_module("bench_serving")
+make_prompts, percentile = bench_serving.make_prompts, bench_serving.percentile
 
 ROW_FIELDS = {
     "concurrency", "requests", "completed", "failed", "duration_s", "req_per_s", "output_tokens", "output_tok_per_s",
@@ -34,7 +37,7 @@ def test_percentile_and_prompts():
 @pytest.mark.timeout(200)
 def test_launch_tiny_two_levels(tmp_path):
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "redraft.clients.bench_serving", "--launch", "--tiny", "--concurrency", "1", "4",
+    cmd = [sys.executable, bench_script("bench_serving"), "--launch", "--tiny", "--concurrency", "1", "4",
            "--num-requests", "8", "--max-new-tokens", "32", "--max-seconds", "120", "--json", str(out)]
     # One torch thread in the server: on a small shared CPU, spinning intra-op threads make the tiny model crawl.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

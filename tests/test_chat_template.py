@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from redraft.engine.tokenizer import (ChatTemplateError, Tokenizer, build_bpe_tokenizer,
-                                      load_default_chat_template, render_chat_template,
-                                      save_pretrained_tokenizer)
+from redraft.engine.tokenizer import (ChatTemplateError, Tokenizer, load_default_chat_template,
+                                      render_chat_template, save_pretrained_tokenizer)
+from redraft.training.bpe import build_bpe_tokenizer
 
 SYS_DEFAULT = "<role>SYSTEM</role>detailed thinking off<|role_end|>"
 WEATHER_TOOL = {

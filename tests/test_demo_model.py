@@ -15,7 +15,7 @@ import pytest
 import redraft
 import redraft.engine.tokenizer
 from live_server import RedraftServer
-from redraft.engine.defaults import BUNDLED_MODEL_DIR
+from redraft.engine.model_path import BUNDLED_MODEL_DIR
 from redraft.training.evaluate import model_suite
 from redraft.training.tasks import (SUITES, eval_set, is_correct, make_chat, make_code, make_count, make_json,
                                     make_math, make_repeat, make_reverse, make_sort, make_tool, render_prompt,
@@ -130,7 +130,9 @@ def test_serve_with_no_arguments_answers_through_the_openai_api(request, tmp_pat
 def test_fp8_tokens_agree_with_bf16_on_the_demo_model(capsys):
     """Issue 7's criterion, on a trained model (the random tiny one amplifies any rounding): greedy outputs of
     quantization="fp8" against bf16 over a fixed prompt set (held-out task problems), Q and S."""
-    from redraft.clients.bench_moe import fp8_agreement
+    from bench_scripts import bench_module
+
+    fp8_agreement = bench_module("bench_moe").fp8_agreement
 
     res = fp8_agreement(n_prompts=40, max_new_tokens=64, path=BUNDLED_MODEL_DIR)
     assert res["prompts"] == 40
@@ -145,7 +147,9 @@ def test_fp8_tokens_agree_with_bf16_on_the_demo_model(capsys):
 def test_fp8_layers_on_real_activations():
     """Issue 7's layer criterion on a trained model: every W8A8 layer (qkv, o_proj, dense MLP, MoE with its
     shared expert) against the unquantised layer on the model's own activations: cosine >= 0.999, rel L2 < 5%."""
-    from redraft.clients.bench_moe import fp8_layer_errors
+    from bench_scripts import bench_module
+
+    fp8_layer_errors = bench_module("bench_moe").fp8_layer_errors
 
     eng_tok = redraft.engine.tokenizer.Tokenizer.from_pretrained(BUNDLED_MODEL_DIR)
     prompts = [eng_tok.encode(render_prompt(ex, eng_tok)) for ex in eval_set(seed=7, per_family=2)]

@@ -22,9 +22,14 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import redraft  # noqa: E402
-from redraft.engine.cuda_graphs import DecodeGraphs, moe_experts_dense, moe_experts_grouped  # noqa: E402
+from redraft.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from redraft.engine.tiny import make_tiny_checkpoint  # noqa: E402
 from redraft.kernels.moe import moe_experts_torch  # noqa: E402
+from bench_scripts import bench_module, bench_script  # noqa: E402
+
+# A sync-free torch MoE the engine no longer runs (bench_moe.py's "torch" contender): capturable, so it stands in
+# for the fused Triton MoE in the meta-device check below, where Triton cannot run.
+moe_sync_free = bench_module("moe_sync_free")
 
 triton_attn = pytest.importorskip("redraft.kernels.attention_triton")
 
@@ -120,9 +125,11 @@ def test_cli_generate_with_triton_backend(tiny, capsys):
     assert len(json.loads(capsys.readouterr().out)["output_ids"]) == 4
 
 
-@pytest.mark.parametrize("fn", [moe_experts_grouped, moe_experts_dense], ids=["grouped", "dense"])
+@pytest.mark.parametrize("fn", [moe_sync_free.moe_experts_grouped, moe_sync_free.moe_experts_dense],
+                         ids=["grouped", "dense"])
 def test_sync_free_moe_matches_reference(fn):
-    """The MoE the engine uses on CUDA (capturable: fixed shapes, no host sync) against `moe_experts_torch`."""
+    """The sync-free torch MoE (capturable: fixed shapes, no host sync; the engine itself runs the fused Triton
+    MoE on CUDA, kernels/moe_triton.py) against `moe_experts_torch`."""
     g = torch.Generator().manual_seed(0)
     t, h, i, e, k = 37, 32, 16, 8, 2
     x = torch.randn(t, h, generator=g)
@@ -138,19 +145,20 @@ def test_sync_free_moe_matches_reference(fn):
 
 def test_captured_forward_has_no_host_sync_on_meta():
     """A CPU proxy for CUDA-graph capturability: the exact function DecodeGraphs captures, at the real
-    LLaDA2.1-mini shape in bf16 with the MoE the engine uses on CUDA, run on the meta device, where any
-    data-dependent host sync (.item(), .tolist(), nonzero, bincount's output size) raises; torch._grouped_mm's
-    meta kernel also enforces the CUDA kernel's dtype and 16-byte stride rules. Attention is stubbed: the
-    Triton wrapper only launches (its grid depends on the batch size and max_q alone)."""
+    LLaDA2.1-mini shape in bf16 with the sync-free torch MoE (the engine's fused Triton MoE cannot run on the
+    meta device), run on the meta device, where any data-dependent host sync (.item(), .tolist(), nonzero,
+    bincount's output size) raises; torch._grouped_mm's meta kernel also enforces the CUDA kernel's dtype and
+    16-byte stride rules. Attention is stubbed: the Triton wrapper only launches (its grid depends on the batch
+    size and max_q alone)."""
     from types import SimpleNamespace
 
-    from redraft.clients.bench_gpu_step import model_config
+    model_config = bench_module("bench_gpu_step").model_config
     from redraft.engine.loader import build_model
 
     cfg = model_config("mini")
     model = build_model(cfg, torch.bfloat16, "meta")  # no memory: meta tensors have shapes only
     model.attend = lambda q, k, v, k_cache, v_cache, meta: torch.empty_like(q)
-    model.set_moe_experts(moe_experts_grouped)
+    model.set_moe_experts(moe_sync_free.moe_experts_grouped)
     cache = torch.empty(cfg.num_hidden_layers, 17, 32, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16,
                         device="meta")
     runner = SimpleNamespace(model=model, device=torch.device("meta"), block_size=32, scratch_page=16, mask_id=5,
@@ -168,7 +176,7 @@ def test_captured_forward_has_no_host_sync_on_meta():
 
 # ---- the GPU benchmark script: what can be checked without a GPU ---------------------------------------
 def test_bench_gpu_step_smoke(tmp_path):
-    from redraft.clients import bench_gpu_step as bench
+    bench = bench_module("bench_gpu_step")
     from redraft.engine.config import ModelConfig
     from redraft.engine.tokenizer import Tokenizer
 
@@ -198,7 +206,7 @@ def test_bench_gpu_step_dry_run(tmp_path):
     """The whole benchmark flow on CPU at the tiny shape (`--dry-run`): engine with dummy weights, decode batches
     reached through the scheduler, eager vs static-step timing and the replay == eager check, the attention
     table, prefill, rendering, and --write-docs into a copy of docs/gpu.md (the rest of the page kept)."""
-    from redraft.clients import bench_gpu_step as bench
+    bench = bench_module("bench_gpu_step")
 
     page = tmp_path / "gpu.md"
     page.write_text((REPO / "docs" / "gpu.md").read_text())
@@ -217,7 +225,7 @@ def test_bench_gpu_step_dry_run(tmp_path):
 def test_kernel_compiles_for_hopper_without_spills():
     """Compile the kernel ahead of time for sm_90 (no GPU needed) at the mini shape: wgmma, no local memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "redraft.clients.bench_gpu_step", "--compile-report",
+    proc = subprocess.run([sys.executable, bench_script("bench_gpu_step"), "--compile-report",
                            "--report-shapes", "mini:bfloat16,tiny:float32"],
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     if proc.returncode == 3:

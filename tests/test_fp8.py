@@ -7,7 +7,7 @@ On CPU the Triton kernels run interpreted (TRITON_INTERPRET=1, set below before 
 A note on the tiny checkpoint: it is random and built to be decisive (sharp attention, confident favourites),
 which also makes greedy diffusion decoding chaotic under any change of rounding: bf16 instead of fp32 already
 changes most generated tokens. The token-agreement figure of FP8 against the unquantised model is measured
-here and reported (docs/gpu.md; clients/bench_moe.py --fp8-agreement), with bf16's beside it for scale;
+here and reported (docs/gpu.md; benchmarks/bench_moe.py --fp8-agreement), with bf16's beside it for scale;
 what is asserted is what holds: per-layer accuracy, exact twins, identical checkpoint loading, generation.
 """
 
@@ -269,7 +269,9 @@ def test_fp8_engine_generates_and_agreement_is_measured(tiny, capsys):
     and its agreement with the unquantised model is measured over a fixed prompt set, with bf16's for scale.
     Free-running agreement is printed, not asserted (the tiny checkpoint's decoding is chaotic under any change
     of rounding; see the module docstring); per-decision (teacher-forced) agreement is asserted loosely."""
-    from redraft.clients.bench_moe import fp8_agreement
+    from bench_scripts import bench_module
+
+    fp8_agreement = bench_module("bench_moe").fp8_agreement
 
     res = fp8_agreement(n_prompts=8, max_new_tokens=32, modes=("S",), path=tiny)
     s = res["S:fp8"]

@@ -54,3 +54,13 @@ def test_the_plan_is_what_a_rank_loads(tmp_path) -> None:
                            layout=RankLayout(0, tp, tp) if tp > 1 else None)
         planned = plan_row(cfg_json, tp, 80.0)["weights_bf16_gib"] * GIB
         assert abs(weight_bytes(model) - planned) / planned < 0.01, tp  # (expert_bias is fp32 in the model)
+
+
+def test_redraft_plan_prints_the_tables(capsys) -> None:
+    """`redraft plan` (the calculator as a subcommand): one table per preset, a row per --tp."""
+    from redraft.cli import main
+
+    assert main(["plan", "--tp", "1", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "**LLaDA2.1-mini**" in out and "**LLaDA2.1-flash**" in out
+    assert sum(line.startswith(("| 1 |", "| 8 |")) for line in out.splitlines()) == 4

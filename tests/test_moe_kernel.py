@@ -8,7 +8,7 @@ with a CUDA device the same tests run compiled. Shapes stay tiny: the interprete
     buffer poisoned; the combine's order and roundings exactly those of the torch path;
   - the engine with kernel_backend="triton" (fused MoE + Triton attention) gives the torch backend's tokens;
   - the layer's wrappers do no device->host sync (meta tensors, kernels recorded instead of run);
-  - clients/bench_moe.py --dry-run, and (slow) the sm_90 compile report.
+  - benchmarks/bench_moe.py --dry-run, and (slow) the sm_90 compile report.
 """
 
 from __future__ import annotations
@@ -289,12 +289,12 @@ def test_layer_has_no_host_sync_on_meta(quantization):
     (its wrapper is checked by test_engine_triton)."""
     from types import SimpleNamespace
 
-    from redraft.clients.bench_gpu_step import model_config
-    from redraft.clients.bench_moe import record_launches
+    from bench_scripts import bench_module
     from redraft.engine.cuda_graphs import DecodeGraphs
     from redraft.engine.loader import build_model
 
-    cfg = model_config("mini")
+    record_launches = bench_module("bench_moe").record_launches
+    cfg = bench_module("bench_gpu_step").model_config("mini")
     model = build_model(cfg, torch.bfloat16, "meta", quantization)
     model.set_kernel_backend("triton")
     model.attend = lambda q, k, v, k_cache, v_cache, meta: torch.empty_like(q)
@@ -325,7 +325,9 @@ def test_layer_has_no_host_sync_on_meta(quantization):
 
 # ---- the benchmark script -----------------------------------------------------------------------------
 def test_bench_moe_dry_run(tmp_path):
-    from redraft.clients import bench_moe
+    from bench_scripts import bench_module
+
+    bench_moe = bench_module("bench_moe")
 
     page = tmp_path / "gpu.md"
     page.write_text((REPO / "docs" / "gpu.md").read_text())
@@ -347,7 +349,9 @@ def test_bench_moe_dry_run(tmp_path):
 def test_bench_moe_without_cuda_says_so():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    from redraft.clients import bench_moe
+    from bench_scripts import bench_module
+
+    bench_moe = bench_module("bench_moe")
 
     with pytest.raises(SystemExit, match="no CUDA device"):
         bench_moe.main([])
@@ -358,7 +362,9 @@ def test_moe_kernels_compile_for_hopper_without_spills():
     """Every MoE/FP8 kernel launch (mini shape, 32/512/2048 tokens, bf16 and FP8) compiled ahead of time for
     sm_90 with the JIT's specialisations: no stack, no local memory; wgmma where tiles are 64 rows."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "redraft.clients.bench_moe", "--compile-report"],
+    from bench_scripts import bench_script
+
+    proc = subprocess.run([sys.executable, bench_script("bench_moe"), "--compile-report"],
                           capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip() or proc.stderr.strip()[-300:])

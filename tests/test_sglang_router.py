@@ -17,7 +17,7 @@ import pytest
 
 from live_server import RedraftServer, free_port
 
-from redraft.engine.defaults import BUNDLED_MODEL_DIR
+from redraft.engine.model_path import BUNDLED_MODEL_DIR
 from redraft.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,9 @@ import torch
 from safetensors import safe_open
 
 from redraft.engine.config import ModelConfig
-from redraft.engine.tiny import TINY_CONFIG, make_tiny_checkpoint, tiny_corpus
+from redraft.engine.tiny import TINY_CONFIG, TINY_TOKENIZER_FILE, make_tiny_checkpoint
 from redraft.engine.tokenizer import Tokenizer
+from redraft.training.bpe import tiny_corpus, train_tiny_tokenizer
 
 
 def official_shapes(c: dict) -> dict[str, tuple[int, ...]]:
@@ -186,6 +187,11 @@ def test_config_overrides(tmp_path: Path) -> None:
 def test_corpus_is_deterministic() -> None:
     assert tiny_corpus() == tiny_corpus()
     assert len(set(tiny_corpus())) > 100
+
+
+def test_the_frozen_tiny_tokenizer_is_what_training_makes() -> None:
+    """engine/tiny_tokenizer.json is the BPE trained on tiny_corpus (`python -m redraft.training.bpe --write-tiny`)."""
+    assert TINY_TOKENIZER_FILE.read_text(encoding="utf-8") == train_tiny_tokenizer() + "\n"
 
 
 # ----- the weights' behaviour, through the independent plain-torch reference -----

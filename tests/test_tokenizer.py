@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from redraft.engine.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, build_bpe_tokenizer,
-                                      load_default_chat_template, save_pretrained_tokenizer)
+from redraft.engine.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, load_default_chat_template,
+                                      save_pretrained_tokenizer)
+from redraft.training.bpe import build_bpe_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

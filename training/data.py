@@ -28,7 +28,8 @@ from tokenizers import Regex, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from redraft.engine.config import BLOCK_SIZE
-from redraft.engine.tokenizer import LLADA2_SPECIAL_TOKENS, Tokenizer, build_bpe_tokenizer
+from redraft.engine.tokenizer import LLADA2_SPECIAL_TOKENS, Tokenizer
+from redraft.training.bpe import build_bpe_tokenizer
 from redraft.training.tasks import CHAT_TEMPLATES, FAMILIES, Example, render_prompt, sample
 
 DEMO_VOCAB_SIZE = 1024

@@ -1,9 +1,9 @@
 """Online serving benchmark: drive a `redraft serve` server's native streaming POST /generate at fixed
 concurrencies and report throughput and latency per level (SGLang's bench_serving, closed-loop, for redraft).
 
-    python -m redraft.clients.bench_serving --launch --tiny                      # start a tiny server, 1/8/32/64
-    python -m redraft.clients.bench_serving --launch --small --concurrency 1 32 --num-requests 32
-    python -m redraft.clients.bench_serving --base-url http://127.0.0.1:30000 --concurrency 1 8 --json out.json
+    python benchmarks/bench_serving.py --launch --tiny                      # start a tiny server, 1/8/32/64
+    python benchmarks/bench_serving.py --launch --small --concurrency 1 32 --num-requests 32
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --concurrency 1 8 --json out.json
 
 Either point it at a running server (`--base-url`) or let it start one (`--launch`: `redraft serve` on a free
 127.0.0.1 port, stopped with SIGTERM at the end; `--tiny` / `--small` make a throw-away checkpoint first).
@@ -257,7 +257,7 @@ def prepare_checkpoint(args: argparse.Namespace, workdir: Path) -> tuple[str | N
 
         if args.tiny:
             return str(make_tiny_checkpoint(workdir / "tiny", seed=0)), None
-        from redraft.clients.bench_offline import SMALL_CONFIG
+        from bench_offline import SMALL_CONFIG
 
         # Tiny tensors for the files (tokenizer + config); the real ~50M shapes come from dummy weights.
         return str(make_tiny_checkpoint(workdir / "small", seed=0, config_overrides=SMALL_CONFIG)), "dummy"

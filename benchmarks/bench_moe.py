@@ -1,16 +1,16 @@
 """GPU benchmark of the MoE layer (router + routed experts + shared expert) at LLaDA2.1-mini shape, bf16 and FP8.
 
-    python -m redraft.clients.bench_moe                   # the tables (needs a CUDA device)
-    python -m redraft.clients.bench_moe --write-docs      # ... and write them into docs/gpu.md
-    python -m redraft.clients.bench_moe --dry-run         # no GPU: the whole flow on CPU, tiny shape, interpreted
-    python -m redraft.clients.bench_moe --compile-report  # no GPU: compile every MoE/FP8 kernel for sm_90 and
+    python benchmarks/bench_moe.py                   # the tables (needs a CUDA device)
+    python benchmarks/bench_moe.py --write-docs      # ... and write them into docs/gpu.md
+    python benchmarks/bench_moe.py --dry-run         # no GPU: the whole flow on CPU, tiny shape, interpreted
+    python benchmarks/bench_moe.py --compile-report  # no GPU: compile every MoE/FP8 kernel for sm_90 and
                                                           # print registers / spills / MMA instructions
-    python -m redraft.clients.bench_moe --fp8-agreement   # CPU: FP8 vs unquantised tokens on the tiny checkpoint
+    python benchmarks/bench_moe.py --fp8-agreement   # CPU: FP8 vs unquantised tokens on the tiny checkpoint
 
 What it measures (CUDA events, warm-up, medians):
   1. the device's copy bandwidth (1 GiB device-to-device, read + write counted);
   2. one MoE layer at 32, 128, 512 and 2048 tokens, bf16 and FP8 weights, for
-       torch    route_torch + the engine's former sync-free MoE (torch._grouped_mm, kernels in cuda_graphs.py)
+       torch    route_torch + the engine's former sync-free MoE (torch._grouped_mm, moe_sync_free.py)
                 + the shared expert; FP8: the dequantising twin (moe_experts_fp8_torch: a reference, not a
                 contender);
        unfused  Triton router + sort + grouped gate_up GEMM, activation, grouped down GEMM, combine;
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- shapes -------------------------------------------------------------------------------------------
 def model_config(name: str):
-    from redraft.clients.bench_gpu_step import model_config as _cfg
+    from bench_gpu_step import model_config as _cfg
 
     return _cfg(name)
 
@@ -103,7 +103,7 @@ def _sync() -> None:
 
 
 def _time(fn, iters: int, warmup: int) -> float:
-    from redraft.clients import bench_gpu_step
+    import bench_gpu_step
 
     bench_gpu_step.DEVICE = DEVICE
     return bench_gpu_step._time(lambda _: fn(), iters, warmup)
@@ -153,7 +153,7 @@ class Layer:
 
                 out = moe_experts_fp8_torch(x, self.w13, self.w13_s, self.w2, self.w2_s, ids, w)
                 return out + swiglu_fp8_torch(x, self.sg, self.sg_s, self.sd, self.sd_s)
-            from redraft.engine.cuda_graphs import moe_experts_static
+            from moe_sync_free import moe_experts_static
 
             return moe_experts_static(x, self.w13, self.w2, ids, w) + swiglu(x, self.sg, self.sd)
         ids, w = mt.route_triton(x, self.router, self.bias, **self.route_kwargs())
@@ -227,7 +227,7 @@ def build_engine(model_dir: Path, dtype: str, quantization: str | None, args, ma
 
 
 def bench_step(args, cfg_name: str) -> list[dict]:
-    from redraft.clients import bench_gpu_step as gs
+    import bench_gpu_step as gs
 
     gs.DEVICE = DEVICE
     rows = []
@@ -536,7 +536,7 @@ def _toolchain():
 def compile_launch(kernel, args, kwargs, tools) -> dict:
     """Compile one recorded launch for sm_90; the cubin's registers, stack, local-memory instructions, shared
     memory and MMA instructions."""
-    from redraft.clients.bench_gpu_step import cubin_usage
+    from bench_gpu_step import cubin_usage
 
     triton, GPUTarget, ASTSource, cuobjdump = tools
     sig, const, opts, attrs = _signature(kernel, args, kwargs)
@@ -563,7 +563,7 @@ def compile_report() -> int:
     FP8) for sm_90 and print the cubin's resource usage and MMA instructions. Exit 3 without a toolchain."""
     if "triton" in sys.modules or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = dict(os.environ, TRITON_INTERPRET="0")
-        return subprocess.run([sys.executable, "-m", "redraft.clients.bench_moe", "--compile-report"],
+        return subprocess.run([sys.executable, str(Path(__file__).resolve()), "--compile-report"],
                               env=env).returncode
     os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (set before triton is imported)
     import warnings
@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     import redraft.kernels  # noqa: F401 - settles TRITON_INTERPRET before triton is imported
     import triton
 
-    from redraft.clients import bench_gpu_step as gs
+    import bench_gpu_step as gs
 
     gs.DEVICE = DEVICE
     cfg = model_config(args.model)

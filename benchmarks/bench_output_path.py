@@ -1,7 +1,7 @@
 """The output path of one long generation, block by block, without the model: what a committed block costs
 between the engine's scheduler and the client's SSE chunk, early and late in the output.
 
-    python -m redraft.clients.bench_output_path                 # 4096 and 32768 tokens, logprobs 5, a stop string
+    python benchmarks/bench_output_path.py                 # 4096 and 32768 tokens, logprobs 5, a stop string
 
 Per block, "incremental" runs redraft's path: the engine's RequestOutput with only the block's ids and
 logprobs (pickled and unpickled, as over ZMQ), then the HTTP side's OutputStream (StreamingDetokenizer: the
@@ -73,7 +73,7 @@ def cumulative(tok, ids: list[int], lps: list[float], tops: list, stop: list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m redraft.clients.bench_output_path", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_output_path.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--window", type=int, default=16)

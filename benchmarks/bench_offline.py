@@ -1,8 +1,8 @@
 """Offline engine benchmark: tokens/s and tokens per forward of `redraft.Engine`, against the official loop
 without a KV cache (full recompute of the prefix every forward, one request at a time), in the same process.
 
-    python -m redraft.clients.bench_offline                # tiny + ~50M configs, batch 1 and 16
-    python -m redraft.clients.bench_offline --configs tiny --batches 1 4 16 --new-tokens 96
+    python benchmarks/bench_offline.py                # tiny + ~50M configs, batch 1 and 16
+    python benchmarks/bench_offline.py --configs tiny --batches 1 4 16 --new-tokens 96
 
 Prints a markdown table. The baseline runs the same model code, so the ratio isolates what the paged
 block cache and batching buy.

@@ -1,7 +1,7 @@
 """Multi-block editing (docs/mbe.md) on CPU: what a window of W open blocks costs and what it buys.
 
-    python -m redraft.clients.bench_mbe                       # speed: W = 1, 2, 3 at batch 1 and 16 (tiny model)
-    python -m redraft.clients.bench_mbe --accuracy            # + accuracy / tokens per forward on the demo model
+    python benchmarks/bench_mbe.py                       # speed: W = 1, 2, 3 at batch 1 and 16 (tiny model)
+    python benchmarks/bench_mbe.py --accuracy            # + accuracy / tokens per forward on the demo model
 
 Speed: a tiny random checkpoint, S mode, `--new-tokens` per request with ignore_eos, prompts of 20-60 tokens;
 per (W, batch): engine forwards per second, output tokens per second and tokens per forward, each against
@@ -62,7 +62,7 @@ def accuracy(args: argparse.Namespace) -> dict:
 
     model = args.model
     if model is None:
-        from redraft.engine.defaults import BUNDLED_MODEL_DIR
+        from redraft.engine.model_path import BUNDLED_MODEL_DIR
 
         model = str(BUNDLED_MODEL_DIR)
     modes = ["S", "S-W2", "S-W3", "Q", "Q-W2", "Q-W3"]
@@ -73,7 +73,7 @@ def accuracy(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m redraft.clients.bench_mbe", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_mbe.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--windows", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])

@@ -1,9 +1,9 @@
 """Does the cost of a committed block grow with the output's length? One long streamed generation, the time
 between consecutive blocks early and late in it, for this checkout and (optionally) an older one, in one run.
 
-    python -m redraft.clients.bench_long_output                                    # this checkout only
+    python benchmarks/bench_long_output.py                                    # this checkout only
     git worktree add /tmp/before <commit>
-    python -m redraft.clients.bench_long_output --baseline-src /tmp/before         # before vs after
+    python benchmarks/bench_long_output.py --baseline-src /tmp/before         # before vs after
 
 Each source serves the same tiny random checkpoint (`redraft serve`, one engine thread) and answers the same
 `/v1/completions` streams: `--new-tokens` tokens (4096 by default) with `ignore_eos`, plain text, then with
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from redraft.clients.bench_serving import LaunchedServer
+from bench_serving import LaunchedServer
 from redraft.clients.sse import sse_events
 
 NEVER = "\u2603never\u2603matches\u2603"  # a stop string the tiny model will not produce
@@ -99,7 +99,7 @@ def measure(name: str, ckpt: Path, pythonpath: str | None, args: argparse.Namesp
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m redraft.clients.bench_long_output", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_long_output.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline-src", type=Path, default=None, help="an older checkout to measure beside this one")
     p.add_argument("--new-tokens", type=int, default=4096)

@@ -1,7 +1,7 @@
 """Structured output (docs/structured-output.md) on CPU: what a grammar costs draft-and-edit decoding.
 
-    python -m redraft.clients.bench_structured                 # demo model + tiny random model
-    python -m redraft.clients.bench_structured --per-family 100 --batch 16 --json out.json
+    python benchmarks/bench_structured.py                 # demo model + tiny random model
+    python benchmarks/bench_structured.py --per-family 100 --batch 16 --json out.json
 
 Demo model (the bundled one, or --model): held-out math problems asked for JSON (`... Answer in JSON.`) and
 with the tools add / subtract (training/tasks.py, suite v3), decoded free and constrained (a `{"answer":
@@ -145,7 +145,7 @@ def tiny(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m redraft.clients.bench_structured", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_structured.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="demo checkpoint (default: the bundled demo model)")
     p.add_argument("--per-family", type=int, default=50, help="held-out problems per task on the demo model")

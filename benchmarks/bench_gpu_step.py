@@ -1,8 +1,8 @@
 """GPU benchmark of redraft's denoising step at LLaDA2.1-mini scale (dummy weights, bf16, Triton attention).
 
-    python -m redraft.clients.bench_gpu_step                  # the whole table (needs a CUDA device)
-    python -m redraft.clients.bench_gpu_step --write-docs     # ... and write it into docs/gpu.md
-    python -m redraft.clients.bench_gpu_step --compile-report # no GPU needed: compile the attention kernel
+    python benchmarks/bench_gpu_step.py                  # the whole table (needs a CUDA device)
+    python benchmarks/bench_gpu_step.py --write-docs     # ... and write it into docs/gpu.md
+    python benchmarks/bench_gpu_step.py --compile-report # no GPU needed: compile the attention kernel
                                                               # for sm_90 and print registers / spills / wgmma
 
 The model directory is built on the spot: config.json with the real 2.1-mini (or -flash) shape and the tiny
@@ -176,7 +176,7 @@ def compile_report(shapes: str | None = None) -> int:
     wanted = REPORT_SHAPES if not shapes else [s for s in REPORT_SHAPES if f"{s[0]}:{s[1]}" in shapes.split(",")]
     if "triton" in sys.modules:  # imported already (maybe interpreted): do it in a fresh process
         env = dict(os.environ, TRITON_INTERPRET="0")
-        cmd = [sys.executable, "-m", "redraft.clients.bench_gpu_step", "--compile-report"]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-report"]
         return subprocess.run(cmd + (["--report-shapes", shapes] if shapes else []), env=env).returncode
     os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret (set before triton is imported)
     import inspect
