@@ -23,7 +23,6 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 import redraft  # noqa: E402
 from redraft.engine.cuda_graphs import DecodeGraphs, moe_experts_dense, moe_experts_grouped  # noqa: E402
-from redraft.engine.tiny import make_tiny_checkpoint  # noqa: E402
 from redraft.kernels.moe import moe_experts_torch  # noqa: E402
 
 triton_attn = pytest.importorskip("redraft.kernels.attention_triton")
@@ -37,8 +36,8 @@ MAX_NEW_TOKENS = 4  # the whole block is still decoded; few tokens keep the inte
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-seed0", seed=0)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(seed=0)
 
 
 def engine(path: Path, backend: str) -> redraft.Engine:

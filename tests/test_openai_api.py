@@ -26,7 +26,6 @@ import openai
 import pytest
 
 from live_server import RedraftServer, assert_error_shape
-from redraft.engine.tiny import make_tiny_checkpoint
 from redraft.engine.tokenizer import LLADA2_SPECIAL_TOKENS, Tokenizer
 
 KEYS = ("sk-test-1", "sk-test-2")
@@ -51,11 +50,6 @@ WEATHER_TOOL = {
 
 
 # ---- fixtures --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("oa") / "tiny", seed=0)
-
-
 @pytest.fixture(scope="module")
 def tok(ckpt: Path) -> Tokenizer:
     return Tokenizer.from_pretrained(ckpt)
