@@ -98,3 +98,21 @@ def test_http_process_modules_import_no_torch() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(modules) >= 8
+
+
+def test_protocol_and_scheduler_modules_import_no_torch() -> None:
+    """A fresh interpreter imports every module of protocol/ and scheduler/: torch stays out (this also catches
+    torch arriving through a third-party import, which the source check above cannot see)."""
+    modules = sorted(f"redraft.{part}.{p.stem}" for part in ("protocol", "scheduler")
+                     for p in (ROOT / part).glob("*.py") if p.stem != "__init__")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        "print(bad[:5])\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(modules) >= 7

@@ -41,11 +41,9 @@ def _bench(args: list[str], env: dict | None = None, timeout: float = 200) -> su
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory) -> str:
-    from redraft.engine.tiny import make_tiny_checkpoint
-
+def server(request, ckpt, tmp_path_factory) -> str:
     tmp = tmp_path_factory.mktemp("bench-server")
-    srv = RedraftServer(make_tiny_checkpoint(tmp / "tiny", seed=0), tmp, [])
+    srv = RedraftServer(ckpt, tmp, [])
     request.addfinalizer(srv.stop)  # registered first: a failed start is cleaned up too
     return srv.start().url
 

@@ -14,15 +14,9 @@ import pytest
 
 from live_server import RedraftServer
 from redraft.cli import build_parser, engine_args
-from redraft.engine.tiny import make_tiny_checkpoint
 
 TEMPLATE = ("{% for m in messages %}CUSTOM[{{ m['role'] }}]: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}CUSTOM[assistant]:{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("compat") / "tiny", seed=0)
 
 
 def _args(*argv: str):

@@ -4,13 +4,13 @@ operator's explicit flags, then the checkpoint's generation_config.json, then th
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import httpx
 import pytest
 
 from live_server import RedraftServer
-from redraft.engine.tiny import make_tiny_checkpoint
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.sampling_params import PRESETS, Defaults, SamplingParams, resolve
 
@@ -53,8 +53,9 @@ def test_generation_config_spellings() -> None:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("gencfg") / "tiny", seed=3)
+def ckpt(tiny_checkpoint, tmp_path_factory) -> Path:
+    # a copy: this module rewrites generation_config.json
+    path = shutil.copytree(tiny_checkpoint(seed=3), tmp_path_factory.mktemp("gencfg") / "tiny")
     (path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": 1, "threshold": GEN.threshold, "editing_threshold": GEN.edit_threshold,
          "max_post_steps": GEN.max_post_steps, "temperature": 0.0}))

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from redraft.engine.tiny import make_tiny_checkpoint
 from redraft.engine.tokenizer import Tokenizer
 from redraft.engine.detokenizer import StreamingDetokenizer
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    return Tokenizer.from_pretrained(make_tiny_checkpoint(tmp_path_factory.mktemp("d") / "t", seed=0))
+def tok(ckpt) -> Tokenizer:
+    return Tokenizer.from_pretrained(ckpt)
 
 
 def byte_tokens(tok: Tokenizer, text: str) -> list[int]:

@@ -12,12 +12,6 @@ import pytest
 
 import redraft
 from redraft.protocol.sampling_params import SamplingParamsError
-from redraft.engine.tiny import make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("api") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -20,7 +20,6 @@ import torch
 from naive_llada2 import NaiveLLaDA2, naive_generate
 
 import redraft
-from redraft.engine.tiny import make_tiny_checkpoint
 from redraft.engine.tokenizer import Tokenizer
 
 SEEDS = (0, 1, 2)
@@ -42,9 +41,9 @@ def read_special_ids(model_dir: Path) -> tuple[int, int]:
 class Tiny:
     """One tiny checkpoint with its float64 engine and float64 naive model, built once per module."""
 
-    def __init__(self, root: Path, seed: int) -> None:
+    def __init__(self, model_dir: Path, seed: int) -> None:
         self.seed = seed
-        self.dir = make_tiny_checkpoint(root / f"tiny-seed{seed}", seed=seed)
+        self.dir = model_dir
         self.mask_id, self.eos_id = read_special_ids(self.dir)
         tok = Tokenizer.from_pretrained(self.dir)
         assert (tok.mask_token_id, tok.eos_token_id) == (self.mask_id, self.eos_id)
@@ -69,18 +68,18 @@ class Tiny:
 class TinyCache(dict):
     """seed -> Tiny, built on first use (a test module run for one case builds one checkpoint only)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, tiny_checkpoint: Callable[..., Path]) -> None:
         super().__init__()
-        self.root = root
+        self.tiny_checkpoint = tiny_checkpoint
 
     def __missing__(self, seed: int) -> Tiny:
-        tiny = self[seed] = Tiny(self.root, seed)
+        tiny = self[seed] = Tiny(self.tiny_checkpoint(seed=seed), seed)
         return tiny
 
 
 @pytest.fixture(scope="module")
-def tinies(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyCache]:
-    cache = TinyCache(tmp_path_factory.mktemp("exactness"))
+def tinies(tiny_checkpoint: Callable[..., Path]) -> Iterator[TinyCache]:
+    cache = TinyCache(tiny_checkpoint)
     yield cache
     for tiny in cache.values():
         tiny.engine.shutdown()
@@ -214,8 +213,8 @@ def test_mask_token_inside_the_prompt(tinies: TinyCache, mode: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def sharded_bf16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any, NaiveLLaDA2]]:
-    d = make_tiny_checkpoint(tmp_path_factory.mktemp("sharded") / "tiny", seed=3, dtype="bfloat16", shards=3)
+def sharded_bf16(tiny_checkpoint: Callable[..., Path]) -> Iterator[tuple[Path, Any, NaiveLLaDA2]]:
+    d = tiny_checkpoint(seed=3, dtype="bfloat16", shards=3)
     assert (d / "model.safetensors.index.json").is_file()
     engine = redraft.Engine(model_path=str(d), device="cpu", dtype="float64", progress=False)
     yield d, engine, NaiveLLaDA2(d, dtype=torch.float64)

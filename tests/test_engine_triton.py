@@ -23,7 +23,6 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 import redraft  # noqa: E402
 from redraft.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from redraft.engine.tiny import make_tiny_checkpoint  # noqa: E402
 from redraft.kernels.moe import moe_experts_torch  # noqa: E402
 from bench_scripts import bench_module, bench_script  # noqa: E402
 
@@ -42,8 +41,8 @@ MAX_NEW_TOKENS = 4  # the whole block is still decoded; few tokens keep the inte
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-seed0", seed=0)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(seed=0)
 
 
 def engine(path: Path, backend: str) -> redraft.Engine:

@@ -9,14 +9,12 @@ import httpx
 import pytest
 
 from live_server import RedraftServer, assert_error_shape
-from redraft.engine.tiny import make_tiny_checkpoint
 
 CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory) -> RedraftServer:
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("policy") / "tiny", seed=0)
+def server(request, ckpt, tmp_path_factory) -> RedraftServer:
     srv = RedraftServer(ckpt, tmp_path_factory.mktemp("policy-log"), [])
     request.addfinalizer(srv.stop)
     return srv.start()

@@ -170,10 +170,8 @@ def test_fp8_moe(t, h, i, e, k, dtype, method):
 
 # ---- checkpoints --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from redraft.engine.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-seed0", seed=0)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(seed=0)
 
 
 def write_deepseek_fp8(src: Path, dst: Path) -> Path:

@@ -13,15 +13,9 @@ import httpx
 import pytest
 
 from live_server import RedraftServer, assert_error_shape
-from redraft.engine.tiny import make_tiny_checkpoint
 
 KEY, ADMIN = "sk-user-123", "sk-admin-456"
 ENDLESS = {"max_tokens": 2000, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("hard") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -301,11 +295,11 @@ def _hub_cache(root: Path, repo: str, refs: dict[str, Path]) -> Path:
     return root
 
 
-def test_hub_repo_ids_resolve_from_the_cache_offline(ckpt, tmp_path, monkeypatch) -> None:
+def test_hub_repo_ids_resolve_from_the_cache_offline(ckpt, tiny_checkpoint, tmp_path, monkeypatch) -> None:
     import redraft
     from redraft.engine.model_path import resolve_model_path
 
-    other = make_tiny_checkpoint(tmp_path / "other", seed=5)
+    other = tiny_checkpoint(seed=5)
     cache = _hub_cache(tmp_path / "hub", "inclusionAI/LLaDA2.1-tiny", {"main": ckpt, "v2": other})
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -18,17 +18,11 @@ import pytest
 import redraft
 from redraft.engine.faults import FaultInjector, InjectedFault
 from redraft.engine.likelihood import staircase_variants
-from redraft.engine.tiny import make_tiny_checkpoint
 from redraft.protocol.sampling_params import SamplingParams
 from tests.live_server import RedraftServer, assert_error_shape
 
 PROMPTS = {"ok-a": [11, 12, 13, 14, 15], "ok-b": [40, 41, 42], "ok-c": [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]}
 GREEDY = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True, "mode": "Q"}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("hard-engine") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,11 @@ import httpx
 import pytest
 
 from live_server import RedraftServer, cmdline, descendants, proc_stat, still_running
-from redraft.engine.tiny import make_tiny_checkpoint
 
 DRAIN_S = 5.0  # --shutdown-timeout of every server here
 MARGIN_S = 4.0  # what a stream may take past the drain time to end (the error event, a busy 2-core machine)
 EXIT_MARGIN_S = 10.0  # what the exit may take past the drain time (uvicorn's shutdown, the engine's stop)
 LONG, SHORT = 8, 3  # streams still running when the signal arrives / streams that finish during the drain
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("sig") / "tiny", seed=0)
 
 
 # ---- processes and folders -------------------------------------------------------------------------------------

@@ -4,19 +4,11 @@ offline engine's."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 
 import redraft
 from live_server import RedraftServer, assert_error_shape
-from redraft.engine.tiny import make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("lk") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

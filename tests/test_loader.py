@@ -13,12 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from redraft.engine.config import ModelConfig
 from redraft.engine.loader import CheckpointError, expected_tensors, load_model
-from redraft.engine.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=7)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(seed=7)
 
 
 def _copy_with(tmp_path: Path, src: Path, edit) -> Path:
@@ -55,8 +54,8 @@ def test_official_tensors_land_in_packed_and_stacked_parameters(tiny: Path):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_checkpoints_load_into_any_dtype(tmp_path: Path, dtype: str):
-    path = make_tiny_checkpoint(tmp_path / dtype, seed=1, dtype=dtype)
+def test_half_precision_checkpoints_load_into_any_dtype(tiny_checkpoint, dtype: str):
+    path = tiny_checkpoint(seed=1, dtype=dtype)
     cfg = ModelConfig.from_pretrained(path)
     for target in ("float32", "bfloat16"):
         model = load_model(path, cfg, dtype=target, progress=False)
@@ -64,10 +63,10 @@ def test_half_precision_checkpoints_load_into_any_dtype(tmp_path: Path, dtype: s
         assert model.layers[1].mlp.expert_bias.dtype == torch.float32
 
 
-def test_tied_embeddings_give_lm_head_the_embedding(tmp_path: Path):
+def test_tied_embeddings_give_lm_head_the_embedding(tiny_checkpoint):
     """A checkpoint with tie_word_embeddings stores no lm_head.weight: the logits read the embedding matrix
     (a model allocated on the meta device and then materialised must be tied again)."""
-    path = make_tiny_checkpoint(tmp_path / "tied", seed=2, config_overrides={"tie_word_embeddings": True})
+    path = tiny_checkpoint(seed=2, config_overrides={"tie_word_embeddings": True})
     assert "lm_head.weight" not in load_file(str(path / "model.safetensors"))
     model = load_model(path, ModelConfig.from_pretrained(path), progress=False)
     hidden = torch.randn(3, model.cfg.hidden_size)
@@ -75,9 +74,9 @@ def test_tied_embeddings_give_lm_head_the_embedding(tmp_path: Path):
     assert torch.equal(model.logits(hidden), hidden @ model.embed.weight.t())
 
 
-def test_sharded_checkpoint_equals_single_file(tmp_path: Path):
-    single = make_tiny_checkpoint(tmp_path / "one", seed=3)
-    sharded = make_tiny_checkpoint(tmp_path / "three", seed=3, shards=3)
+def test_sharded_checkpoint_equals_single_file(tiny_checkpoint):
+    single = tiny_checkpoint(seed=3)
+    sharded = tiny_checkpoint(seed=3, shards=3)
     assert (sharded / "model.safetensors.index.json").is_file()
     cfg = ModelConfig.from_pretrained(single)
     a, b = load_model(single, cfg, progress=False), load_model(sharded, cfg, progress=False)
@@ -105,8 +104,8 @@ def test_misshaped_tensor_is_named_with_both_shapes(tmp_path: Path, tiny: Path):
         load_model(path, ModelConfig.from_pretrained(path), progress=False)
 
 
-def test_index_naming_a_missing_shard_is_an_error(tmp_path: Path):
-    path = make_tiny_checkpoint(tmp_path / "s", seed=0, shards=2)
+def test_index_naming_a_missing_shard_is_an_error(tmp_path: Path, tiny_checkpoint):
+    path = shutil.copytree(tiny_checkpoint(seed=0, shards=2), tmp_path / "s")  # a copy: this test deletes a shard
     next(path.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="shard"):
         load_model(path, ModelConfig.from_pretrained(path), progress=False)

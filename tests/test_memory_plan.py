@@ -8,11 +8,10 @@ import json
 from safetensors import safe_open
 
 from redraft.clients.memory_plan import PRESETS, parameter_parts, plan_row
-from redraft.engine.tiny import make_tiny_checkpoint
 
 
-def test_parameter_count_is_the_checkpoints(tmp_path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
+def test_parameter_count_is_the_checkpoints(tiny_checkpoint) -> None:
+    path = tiny_checkpoint(seed=0)
     cfg = json.loads((path / "config.json").read_text())
     counted = 0
     for f in path.glob("*.safetensors"):
@@ -38,7 +37,7 @@ def test_mini_matches_its_published_size_and_ranks_split_it() -> None:
     assert one["weights_fp8_gib"] < 0.53 * one["weights_bf16_gib"]
 
 
-def test_the_plan_is_what_a_rank_loads(tmp_path) -> None:
+def test_the_plan_is_what_a_rank_loads(tiny_checkpoint) -> None:
     """Weights per rank in the plan == the bytes a rank of that layout holds once loaded (bf16, EP = TP)."""
     from redraft.clients.memory_plan import GIB
     from redraft.engine.config import ModelConfig
@@ -46,7 +45,7 @@ def test_the_plan_is_what_a_rank_loads(tmp_path) -> None:
     from redraft.engine.sharding import RankLayout
     from redraft.engine.tensor_parallel import weight_bytes
 
-    path = make_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    path = tiny_checkpoint(seed=0)
     cfg_json = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_pretrained(path)
     for tp in (1, 2, 4):

@@ -98,12 +98,10 @@ def promtool() -> str:
 
 
 @pytest.fixture(scope="module")
-def redraft_server(request, tmp_path_factory):
-    from redraft.engine.tiny import make_tiny_checkpoint
-
+def redraft_server(request, ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("metrics-server")
     args = ["--domains", ",".join(DOMAINS), "--max-queued-requests", "64"]
-    srv = RedraftServer(make_tiny_checkpoint(tmp / "tiny", seed=0), tmp, args, env={"PROMETHEUS_MULTIPROC_DIR": None})
+    srv = RedraftServer(ckpt, tmp, args, env={"PROMETHEUS_MULTIPROC_DIR": None})
     request.addfinalizer(srv.stop)
     srv.start()
     return srv.url, srv.port, "tiny"

@@ -26,7 +26,6 @@ from typing import Any
 import httpx
 import pytest
 
-from redraft.engine.tiny import make_tiny_checkpoint
 
 # the server launcher and checks of the OpenAI API tests (tests/ is on sys.path, as for naive_llada2)
 from test_openai_api import AUTH, KEYS, VOCAB, RedraftServer, assert_error_shape, sse_payloads, user
@@ -44,8 +43,7 @@ CAP_TOKENS, CAP_N, CAP_LIST, CAP_POST_STEPS = 16, 2, 4, 8
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory) -> RedraftServer:
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("fuzz") / "tiny", seed=0)
+def server(request, ckpt, tmp_path_factory) -> RedraftServer:
     srv = RedraftServer(ckpt, tmp_path_factory.mktemp("fuzz-log"), ["--api-key", KEYS[0], "--default-max-tokens",
                                                                     str(CAP_TOKENS)])
     request.addfinalizer(srv.stop)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -107,8 +105,3 @@ def test_random_alloc_free_matches_model(seed: int) -> None:
         assert pool.num_used == len(held) >= 0
         assert pool.num_free + pool.num_used == pool.capacity
         assert all(pool.is_allocated(p) for p in held)
-
-
-def test_import_does_not_load_torch() -> None:
-    code = "import sys, redraft.scheduler.page_pool; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

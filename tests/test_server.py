@@ -26,7 +26,6 @@ import pytest
 
 import redraft
 from live_server import RedraftServer as ServerProcess, assert_error_shape, still_running
-from redraft.engine.tiny import make_tiny_checkpoint
 
 MODEL_LEN = 4096  # max_position_embeddings of the tiny config
 FIRST_ID, VOCAB = 12, 448  # ids 0..11 are the tiny tokenizer's special tokens (EOS 1, MASK 2)
@@ -44,11 +43,6 @@ def _server_fixture(request, ckpt: Path, tmp_path_factory, extra_args: list[str]
 
 
 # ---- fixtures ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("srv") / "tiny", seed=0)
-
-
 @pytest.fixture(scope="module")
 def engine(ckpt: Path):
     import torch

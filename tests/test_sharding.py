@@ -11,7 +11,6 @@ from redraft.engine.config import ModelConfig
 from redraft.engine.loader import load_model
 from redraft.engine.sharding import RankLayout, check_layout, shard_model_
 from redraft.engine.tensor_parallel import weight_bytes
-from redraft.engine.tiny import make_tiny_checkpoint
 
 # head_dim 128 and intermediates of 256: every rank's share is whole 128-blocks, as FP8 with tp 2 needs
 ALIGNED = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 256,
@@ -19,13 +18,13 @@ ALIGNED = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, 
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("shard") / "tiny", seed=3, shards=3)
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint(seed=3, shards=3)
 
 
 @pytest.fixture(scope="module")
-def aligned(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("shard") / "aligned", seed=4, config_overrides=ALIGNED)
+def aligned(tiny_checkpoint):
+    return tiny_checkpoint(seed=4, config_overrides=ALIGNED)
 
 
 def by_heads_and_experts(full: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, tp: int, ep: int):

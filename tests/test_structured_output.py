@@ -27,7 +27,6 @@ import redraft
 from redraft.engine.constrained import Constraint
 from redraft.engine.decoding import joint_threshold_step
 from redraft.engine.grammar import GrammarError, Grammars, to_llguidance, tool_call_lark
-from redraft.engine.tiny import make_tiny_checkpoint
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.scheduler.request import Request
@@ -37,8 +36,8 @@ MAX_POST_STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("structured") / "tiny", seed=3)
+def ckpt(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(seed=3)
 
 
 @pytest.fixture(scope="module")

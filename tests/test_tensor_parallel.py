@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import redraft
-from redraft.engine.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -19,11 +18,6 @@ PARAMS = [{"max_new_tokens": 48, "temperature": 0.0, "mode": "S", "ignore_eos": 
           {"max_new_tokens": 40, "temperature": 0.0, "mode": "Q"},
           {"max_new_tokens": 70, "temperature": 0.0, "mode": "S", "mbe_window": 2, "ignore_eos": True},
           {"max_new_tokens": 33, "temperature": 0.8, "seed": 7, "mode": "Q"}]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +65,14 @@ def test_two_ranks_give_the_single_process_tokens(ckpt, single, ep):
         eng.shutdown()
 
 
-def test_float32_on_a_checkpoint_with_wide_margins(tmp_path):
+def test_float32_on_a_checkpoint_with_wide_margins(tmp_path, tiny_checkpoint):
     """In float32 the sharded sums round differently; on a checkpoint whose logits are scaled up (every
     decision far from a tie and from the thresholds: top-1 probabilities near 0 or 1) the tokens still match."""
+    import shutil
+
     from safetensors.torch import load_file, save_file
 
-    path = make_tiny_checkpoint(tmp_path / "wide", seed=1)
+    path = shutil.copytree(tiny_checkpoint(seed=1), tmp_path / "wide")  # a copy: lm_head is rescaled in place
     weights = load_file(str(path / "model.safetensors"))
     weights["lm_head.weight"] = weights["lm_head.weight"] * 8.0
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -95,9 +91,9 @@ def test_float32_on_a_checkpoint_with_wide_margins(tmp_path):
     assert len({t for o in want for t in o["output_ids"]}) > 5  # a real output, not one token repeated
 
 
-def test_a_vocabulary_the_ranks_cannot_split_is_replicated(tmp_path):
+def test_a_vocabulary_the_ranks_cannot_split_is_replicated(tiny_checkpoint):
     """vocab_size 449 (odd): embedding and lm_head stay whole on every rank, no gather; the same tokens."""
-    path = make_tiny_checkpoint(tmp_path / "odd", seed=0, config_overrides={"vocab_size": 449})
+    path = tiny_checkpoint(seed=0, config_overrides={"vocab_size": 449})
     with redraft.Engine(str(path), dtype="float64", progress=False) as one:
         want = one.generate(input_ids=PROMPTS[:2], sampling_params=PARAMS[:2])
     with redraft.Engine(str(path), dtype="float64", progress=False, tp_size=2) as two:
@@ -160,14 +156,14 @@ def test_serve_with_two_ranks_answers_as_one_process_and_fails_fast_when_a_rank_
 
 
 @pytest.fixture(scope="module")
-def fp8_checkpoint(tmp_path_factory):
+def fp8_checkpoint(tiny_checkpoint):
     """A checkpoint FP8 can shard (head_dim 128, intermediates of 256: whole 128-blocks per rank), and the single
     process's FP8 tokens on it. float64 activations (the torch twins dequantise into them): each e4m3 rounding of
     an activation sees the float32 image of the sum, which the ranks' summation order cannot change; in float32 a
     one-ulp difference in a partial sum flips an e4m3 rounding now and then, and the random model follows it."""
     from test_sharding import ALIGNED
 
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "fp8", seed=2, config_overrides=ALIGNED)
+    path = tiny_checkpoint(seed=2, config_overrides=ALIGNED)
     params = [{**p, "temperature": 0.0} for p in PARAMS]
     with redraft.Engine(str(path), dtype="float64", quantization="fp8", progress=False) as one:
         want = one.generate(input_ids=PROMPTS, sampling_params=params)

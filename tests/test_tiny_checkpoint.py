@@ -60,14 +60,11 @@ def read_all(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+# `ckpt` (seed 0) comes from tests/conftest.py, built by make_tiny_checkpoint like `sharded`; the tests below
+# that call make_tiny_checkpoint themselves are testing it (fresh folders, reruns, errors).
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "m", seed=0)
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_sharded"), seed=0, shards=3)
+def sharded(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(seed=0, shards=3)
 
 
 def test_files_present(ckpt: Path) -> None:

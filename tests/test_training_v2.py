@@ -121,7 +121,7 @@ def test_training_steps_with_windows_decrease_the_loss(trainer_v2) -> None:
     batch = trainer_v2.make_batch(12)
     trainer_v2.torch_gen.manual_seed(7)
     first = trainer_v2.train_step(batch)
-    assert "acc_mbe_repair" in first or first["acc"] >= 0
+    assert "acc_mbe_repair" in first, first  # the windows held wrong earlier-block tokens to repair
     losses = []
     for _ in range(6):
         trainer_v2.torch_gen.manual_seed(7)  # the same split and noise: a fixed batch
