@@ -301,7 +301,7 @@ def build_engine(args, model_dir: Path, max_tokens: int):
     if args.dry_run:  # CPU: no CUDA graphs; run their static-buffer twin eagerly so the flow is the same
         from redraft.engine.cuda_graphs import DecodeGraphs
 
-        engine.runner.graphs = DecodeGraphs(engine.runner, max(args.batches), capture=False)
+        engine.core.runner.graphs = DecodeGraphs(engine.core.runner, max(args.batches), capture=False)
     return engine
 
 
@@ -317,19 +317,19 @@ def _decode_items(engine, n: int, context: int, rng):
 
     avoid = {engine.tokenizer.mask_token_id, engine.tokenizer.eos_token_id}
     params = SamplingParams.from_dict({"max_new_tokens": 8 * BLOCK, "temperature": 0.0, "mode": "S"})
-    sched = engine.scheduler
+    sched = engine.core.scheduler
     for i in range(n):
         engine.core.add_request(f"bench-{i}", _prompt(rng, context, engine.model_config.vocab_size, avoid), params)
     for _ in range(10_000):
         items = sched.schedule()
         if len(items) == n and all(it.decodes and it.first == it.last for it in items):
             return items
-        sched.update(items, engine.runner.run(items))
+        sched.update(items, engine.core.runner.run(items))
     raise RuntimeError("the batch never reached plain denoising steps")
 
 
 def _clear(engine) -> None:
-    sched = engine.scheduler
+    sched = engine.core.scheduler
     for req in list(sched.running) + list(sched.waiting):
         engine.core.abort(req.rid)
     engine.core.step()  # nothing runs: reports (and forgets) the aborted requests
@@ -339,7 +339,7 @@ def _clear(engine) -> None:
 def bench_steps(engine, args, bw: float, cfg) -> list[dict]:
     from redraft.engine.model_runner import build_forward_batch
 
-    runner = engine.runner
+    runner = engine.core.runner
     graphs = runner.graphs
     if graphs is None:
         raise SystemExit(f"bench_gpu_step: no CUDA graphs were captured: {runner.graph_error}")
@@ -434,11 +434,11 @@ def bench_prefill(engine, args, cfg, mm_rate: float, bw: float) -> list[dict]:
     for tokens in args.prefill:
         params = SamplingParams.from_dict({"max_new_tokens": BLOCK, "temperature": 0.0, "mode": "S"})
         engine.core.add_request(f"prefill-{tokens}", _prompt(rng, tokens, cfg.vocab_size, avoid), params)
-        items = engine.scheduler.schedule()
+        items = engine.core.scheduler.schedule()
         assert len(items) == 1 and items[0].first == 0 and items[0].decodes, "prefill did not fit one pass"
         window = (items[0].last + 1) * BLOCK
-        ms = _time(lambda _: engine.runner.run(items), max(3, args.iters // 6), 2) if DEVICE.type == "cuda" else \
-            _time(lambda _: engine.runner.run(items), 1, 0)
+        ms = _time(lambda _: engine.core.runner.run(items), max(3, args.iters // 6), 2) if DEVICE.type == "cuda" else \
+            _time(lambda _: engine.core.runner.run(items), 1, 0)
         flops = prefill_flops(cfg, window)
         weights = step_bytes(cfg, 64, 0)["weights"]  # every expert is touched
         floor = max(flops / mm_rate, weights / bw) * 1e3

@@ -222,7 +222,7 @@ def build_engine(model_dir: Path, dtype: str, quantization: str | None, args, ma
     if args.dry_run:  # CPU: the CUDA graph's static-buffer twin, run eagerly
         from redraft.engine.cuda_graphs import DecodeGraphs
 
-        engine.runner.graphs = DecodeGraphs(engine.runner, 1, capture=False)
+        engine.core.runner.graphs = DecodeGraphs(engine.core.runner, 1, capture=False)
     return engine
 
 
@@ -240,16 +240,16 @@ def bench_step(args, cfg_name: str) -> list[dict]:
             t0 = time.perf_counter()
             engine = build_engine(model_dir, dtype, quant, args, args.context + 12 * gs.BLOCK)
             print(f"  engine ({quant or dtype}) ready in {time.perf_counter() - t0:.0f} s", flush=True)
-            if engine.runner.graphs is None:
-                raise SystemExit(f"bench_moe: no CUDA graphs were captured: {engine.runner.graph_error}")
+            if engine.core.runner.graphs is None:
+                raise SystemExit(f"bench_moe: no CUDA graphs were captured: {engine.core.runner.graph_error}")
             rng = torch.Generator().manual_seed(args.seed)
             items = gs._decode_items(engine, 1, args.context, rng)
-            runner = engine.runner
+            runner = engine.core.runner
             batch = build_forward_batch(items, gs.BLOCK)
             step = _time(lambda: runner.run(items), args.iters, args.warmup)
             fwd = _time(lambda: runner.graphs.run(batch), args.iters, args.warmup)
             weight_bytes = sum(t.numel() * t.element_size() for t in
-                               list(engine.model.parameters()) + list(engine.model.buffers()))
+                               list(engine.core.model.parameters()) + list(engine.core.model.buffers()))
             rows.append({"weights": quant or "bf16", "batch": 1, "context": args.context, "step_ms": step,
                          "forward_ms": fwd, "model_gb": weight_bytes / 1e9})
             print(f"  step ({quant or 'bf16'}) batch 1: {step:.2f} ms (forward {fwd:.2f} ms)", flush=True)

@@ -35,14 +35,14 @@ TINY_GRAMMARS = {
 def _run(engine: Any, prompts: list[list[int]], params: list[dict], batch: int) -> dict:
     """Decode `prompts` `batch` at a time; totals of forwards, tokens, wall and grammar time."""
     outs: list[dict] = []
-    f0, g0, t0 = engine.core.num_forwards, engine.runner.grammar_seconds, time.perf_counter()
+    f0, g0, t0 = engine.core.num_forwards, engine.core.runner.grammar_seconds, time.perf_counter()
     for i in range(0, len(prompts), batch):
         outs += engine.generate(input_ids=prompts[i : i + batch], sampling_params=params[i : i + batch])
     wall = time.perf_counter() - t0
     forwards = engine.core.num_forwards - f0
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     steps = sum(o["meta_info"]["steps"] for o in outs)
-    grammar = engine.runner.grammar_seconds - g0
+    grammar = engine.core.runner.grammar_seconds - g0
     return {"outs": outs, "tokens_per_forward": tokens / max(steps, 1), "ms_per_forward": 1e3 * wall / max(forwards, 1),
             "grammar_ms_per_forward": 1e3 * grammar / max(forwards, 1), "grammar_share": grammar / wall,
             "tokens_per_s": tokens / wall}

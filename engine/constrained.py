@@ -67,7 +67,6 @@ class Constraint:
         self.consumed: list[int] = []  # == tokens[prompt_len:frontier], up to done_at
         self.done_at: int | None = None
         self.stop_placed = False
-        self.version = -1  # the Request.block_version the state was last synced to
         self.stats = GrammarStats()
 
     @property

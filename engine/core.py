@@ -3,6 +3,8 @@ schedule -> one forward for the whole batch -> update -> incremental outputs.
 
 The offline `redraft.Engine` and the engine process (`engine_process.py`, behind the HTTP server) both drive
 this class and nothing else: a request is validated, resolved, scheduled, decoded and reported here only.
+Start-up (model, scheduler, runner) is engine/startup.py's; likelihood jobs are engine/scoring.py's; the core
+wires them into the loop.
 
     core = EngineCore(ServerArgs(...))
     core.add_request(rid, input_ids, SamplingParams(...))   # -> Accepted, or raises RequestError
@@ -13,36 +15,27 @@ this class and nothing else: a request is validated, resolved, scheduled, decode
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
-from redraft.engine.defaults import resolve_model_path
 from redraft.engine.faults import FaultInjector
 from redraft.engine.grammar import GrammarError, Grammars, max_output_tokens
 from redraft.engine.grammar_sandbox import GrammarSandbox
 from redraft.engine.likelihood import MAX_VARIANTS as MAX_SCORE_VARIANTS  # (the HTTP routes check it first)
-from redraft.engine.loader import load_model, resolve_dtype, resolve_quantization
-from redraft.engine.sharding import RankLayout, check_layout
-from redraft.engine.model_runner import ModelRunner
-from redraft.engine.scoring import CHUNK_TOKENS, ScoreJob, TimeShare
-from redraft.engine.tokenizer import Tokenizer
+from redraft.engine.scoring import CHUNK_TOKENS, ScoreJob, Scoring, Values
+from redraft.engine.startup import start_engine
 from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, RequestOutput, ScoreResult
-from redraft.protocol.sampling_params import BLOCK_SIZE, Defaults, SamplingParams, resolve
+from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams, SamplingParams, resolve
 from redraft.protocol.server_args import ServerArgs
-from redraft.scheduler.request import FinishReason, Request
-from redraft.scheduler.scheduler import (
-    QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, StepOutput, WorkItem, describe, error_reason,
-)
+from redraft.scheduler.request import FinishReason, Request, stop_ids
+from redraft.scheduler.scheduler import QueueFull, RequestTooLarge, StepOutput, WorkItem, describe, error_reason
 
 log = logging.getLogger("redraft.engine")
 
@@ -55,120 +48,39 @@ class EngineFault(RuntimeError):
 
 
 @dataclass
-class _Timing:
+class _Progress:
+    """The core's own record of a request in flight: when it was queued, how long it waited, and how many output
+    tokens its messages have carried."""
+
     enqueued: float
     queue_time: float | None = None
-
-
-def read_generation_config(model_path: Path | None) -> Defaults:
-    """The checkpoint's generation_config.json as a level of the defaults chain (empty if absent)."""
-    path = model_path / "generation_config.json" if model_path else None
-    if path is None or not path.is_file():
-        return Defaults()
-    try:
-        raw = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    return Defaults.from_generation_config(raw if isinstance(raw, dict) else {})
+    sent_tokens: int = 0
 
 
 class EngineCore:
     def __init__(self, args: ServerArgs):
         self.args = args
-        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={args.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
-        from redraft.engine.tensor_parallel import set_threads  # (one rule for every rank)
-
-        set_threads(args)
-        path = resolve_model_path(args.model_path, args.revision)
-        self.model_path = path
-        self.model_config = ModelConfig.from_pretrained(path)
-        if args.context_length is not None and args.context_length > self.model_config.max_position_embeddings:
-            raise ValueError(f"--context-length {args.context_length} is longer than this checkpoint's "
-                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        parts = start_engine(args)
+        self.model_path, self.model_config, self.tokenizer = parts.model_path, parts.model_config, parts.tokenizer
+        self.default_levels = parts.default_levels
+        self.model, self.scheduler, self.runner = parts.model, parts.scheduler, parts.runner
+        self._tp_workers = parts.tp_workers
+        self.quantization = self.model.quantization  # "fp8" also when the checkpoint itself is FP8
         # seeds of sampled requests that bring none: fresh randomness, or replayable with --random-seed
         self._seeds = random.Random(args.random_seed) if args.random_seed is not None else random.SystemRandom()
-        self.tokenizer = Tokenizer.from_pretrained(path, args.chat_template)
-        # The defaults chain below the request: the operator's explicit flags, then generation_config.json.
-        self.default_levels = (args.request_defaults(), read_generation_config(path))
-        t0 = time.perf_counter()
-        # tensor parallelism: this process is rank 0 and loads only its shard (engine/sharding.py) while the other
-        # ranks, started first, load theirs (engine/tensor_parallel.py)
-        layout, self._tp_workers = None, None
-        if args.tp_size > 1:
-            from redraft.engine.tensor_parallel import Workers
-
-            check_layout(self.model_config, args.tp_size, args.ep_size,
-                         resolve_quantization(self.model_config, args.quantization))
-            layout, self._tp_workers = RankLayout(0, args.tp_size, args.ep_size), Workers(args)
-        try:
-            self._load_and_start(path, layout, t0)
-        except BaseException:
-            if self._tp_workers is not None:
-                self._tp_workers.kill()
-            raise
-
-    def _load_and_start(self, path: Any, layout: RankLayout | None, t0: float) -> None:
-        """The rest of the start-up: load (rank 0's shard), size the KV cache, meet the other ranks, build the
-        scheduler and the runner."""
-        args = self.args
-        self.model = load_model(path, self.model_config, dtype=args.resolved_dtype, device=args.device,
-                                load_format=args.load_format, seed=args.seed, progress=args.progress,
-                                quantization=args.quantization, layout=layout)
-        # kernel_backend="triton": Triton attention and the fused Triton MoE (sync-free: the denoising step can be
-        # captured in a CUDA graph); "torch": the plain-torch twins. FP8 linears follow the same choice.
-        self.model.set_kernel_backend(args.kernel_backend)
-        self.quantization = self.model.quantization  # "fp8" also when the checkpoint itself is FP8
-        log.info("loaded %s (%.1fM params, %s%s, %s) in %.1fs", path, self.model_config.num_params() / 1e6,
-                 args.resolved_dtype, ", fp8 weights" if self.quantization else "", args.device,
-                 time.perf_counter() - t0)
-        num_pages = max(1, (args.max_total_tokens or self._default_kv_tokens()) // BLOCK_SIZE)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_pages=num_pages, block_size=BLOCK_SIZE, max_running_requests=args.max_running_requests,
-            max_queued_requests=args.max_queued_requests, max_prefill_tokens=args.chunked_prefill_size,
-            policy=args.schedule_policy, enable_prefix_cache=args.enable_prefix_cache and not args.recompute_prefix,
-        ))
-        on_gpu = torch.device(args.device).type == "cuda"
-        graph_bs = 0
-        # (not with tensor parallelism: a captured graph would skip the forward hooks that talk to the other ranks)
-        if on_gpu and args.kernel_backend == "triton" and not args.disable_cuda_graph and args.tp_size == 1:
-            graph_bs = max(0, min(args.cuda_graph_max_bs, args.max_running_requests))
-        if self._tp_workers is not None:
-            self._tp_workers.join(self.model, num_pages, args.max_running_requests)
-            from redraft.engine.tensor_parallel import backend_for
-
-            log.info("tensor parallel: %d ranks (expert parallel %d), %s", args.tp_size, args.ep_size,
-                     backend_for(args.device))
-        self.runner = ModelRunner(self.model, num_pages, args.max_running_requests, self.tokenizer.mask_token_id,
-                                  self.tokenizer.eos_token_id, args.device, cuda_graph_max_bs=graph_bs)
-        if args.tp_size > 1:
-            from redraft.engine.tensor_parallel import log_rank_memory
-
-            log_rank_memory(0, self.model, self.runner.k_cache)
         self._grammars: Grammars | None = None  # structured output's compiler, built on first use
         self._grammar_sandbox: GrammarSandbox | None = None  # checks a constraint before _grammars compiles it
         self._requests: dict[str, Request] = {}  # every request not yet reported finished
-        self._timing: dict[str, _Timing] = {}
+        self._progress: dict[str, _Progress] = {}
         self.num_forwards = 0
         self.faults = FaultInjector.from_env()  # a test hook, inert unless REDRAFT_FAULT_INJECT is set
         self.runner.faults = self.scheduler.fault_hook = self.faults
-        self._jobs: dict[str, ScoreJob] = {}  # likelihood jobs by token, advanced round-robin one chunk per step
-        self._score_results: list[ScoreResult] = []  # finished jobs not yet taken (take_score_results)
-        self._score_share = TimeShare()  # scoring's share of the engine's time while requests decode
+        # likelihood jobs, advanced round-robin one chunk per step (engine/scoring.py)
+        chunk = min(args.chunked_prefill_size, CHUNK_TOKENS.get(torch.device(args.device).type, CHUNK_TOKENS["cuda"]))
+        self.scoring = Scoring(self.scheduler, self.runner, chunk, self.tokenizer.mask_token_id)
+        self.scheduler.pages_held_elsewhere = lambda: self.scoring.leases.count > 0
         self._fault_streak: tuple[str, set[str]] = ("", set())  # forward failures alike in a row, their rids
         self.num_request_failures = 0
-
-    def _default_kv_tokens(self) -> int:
-        per_token = ModelRunner.kv_bytes_per_token(self.model_config, resolve_dtype(self.args.resolved_dtype))
-        if torch.device(self.args.device).type == "cuda":
-            # SGLang's rule: weights + KV cache take mem_fraction_static of the GPU; the rest is activations.
-            free, total = torch.cuda.mem_get_info()
-            budget = int(total * self.args.mem_fraction_static) - (total - free)
-            if budget <= 0:
-                raise ValueError(f"mem_fraction_static={self.args.mem_fraction_static} leaves no room for the KV cache")
-            return budget // per_token
-        budget = 512 * 2**20  # CPU: 512 MiB of KV cache at most
-        return int(min(max(budget // per_token, 4096), 262144))
 
     @property
     def max_model_len(self) -> int:
@@ -213,11 +125,10 @@ class EngineCore:
             raise RequestError(f"min_tokens ({resolved.min_tokens}) is larger than max_new_tokens "
                                f"({resolved.max_new_tokens})", param="min_tokens")
         if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
-            resolved = _with_seed(resolved, self._seeds.getrandbits(62))
-        req = Request(rid=rid, prompt_ids=ids, params=resolved, mask_id=mask_id,
-                      eos_id=self.tokenizer.eos_token_id, edit_trace=[] if self.args.trace_edits else None)
-        if resolved.grammar is not None:
-            req.constraint = self._constraint(req)
+            resolved = replace(resolved, seed=self._seeds.getrandbits(62))
+        constraint = self._constraint(rid, len(ids), resolved) if resolved.grammar is not None else None
+        req = Request(rid, ids, resolved, mask_id, self.tokenizer.eos_token_id, trace_edits=self.args.trace_edits,
+                      constraint=constraint)
         try:
             self.scheduler.add_request(req)
         except QueueFull as exc:
@@ -225,10 +136,10 @@ class EngineCore:
         except RequestTooLarge as exc:
             raise RequestError(str(exc), param="max_new_tokens") from exc
         self._requests[rid] = req
-        self._timing[rid] = _Timing(time.monotonic())
+        self._progress[rid] = _Progress(time.monotonic())
         return Accepted(rid, resolved.mode, resolved.max_new_tokens)
 
-    def _constraint(self, req: Request) -> Constraint:
+    def _constraint(self, rid: str, prompt_len: int, params: ResolvedParams) -> Constraint:
         """The grammar state of a constrained request; RequestError naming the field when it does not compile."""
         if self._grammars is None:  # built on first use: it reads the whole vocabulary
             t0 = time.perf_counter()
@@ -238,21 +149,22 @@ class EngineCore:
         if self._grammar_sandbox is None:  # its worker starts on the first check
             self._grammar_sandbox = GrammarSandbox.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
                                                                  workers=1)
-        field, source = req.params.grammar
+        field, source = params.grammar
         try:
             # native code may crash or stall on a hostile grammar: only one a worker has compiled and played
             # (cached: the HTTP process's check passed it already, a repeat costs nothing) is built here
             self._grammar_sandbox.check(field, source)
             longest = max_output_tokens(field, source)
-            if longest is not None and req.params.min_tokens > longest:
-                raise GrammarError(f"min_tokens ({req.params.min_tokens}) cannot be met: no output of this {field} "
+            if longest is not None and params.min_tokens > longest:
+                raise GrammarError(f"min_tokens ({params.min_tokens}) cannot be met: no output of this {field} "
                                    f"is longer than {longest} tokens, and the grammar ends the output first",
                                    "min_tokens")
             matcher = self._grammars.matcher(field, source)
         except GrammarError as exc:
-            log.warning("request %s: %s refused: %s", req.rid, field, exc)
+            log.warning("request %s: %s refused: %s", rid, field, exc)
             raise RequestError(str(exc), param=exc.param) from exc
-        return Constraint(matcher, req.prompt_len, frozenset(req.stop_ids()), self.tokenizer.eos_token_id,
+        return Constraint(matcher, prompt_len, frozenset(stop_ids(params, self.tokenizer.eos_token_id)),
+                          self.tokenizer.eos_token_id,
                           self.model_config.vocab_size, self._grammars.closers)
 
     def abort(self, rid: str, finish: dict[str, Any] | None = None, keep_tokens: int | None = None) -> bool:
@@ -273,7 +185,7 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._jobs)
+        return self.scheduler.has_work() or bool(self.scoring.jobs)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, one forward for the whole batch, apply the decoding step, one chunk of
@@ -281,14 +193,10 @@ class EngineCore:
         error finishes included) since the last call. A failure that concerns one request ends that request
         alone (see `fail`); EngineFault when the engine itself is broken."""
         items = self.scheduler.schedule() if self.scheduler.has_work() else []
-        if self.args.recompute_prefix:  # benchmark baseline: nothing is ever cached
-            for it in items:
-                it.req.cached_blocks = 0
-                it.first = 0
         if items:
             now = time.monotonic()
             for it in items:  # a request's first batch ends its time in the queue
-                t = self._timing.get(it.req.rid)
+                t = self._progress.get(it.req.rid)
                 if t is not None and t.queue_time is None:
                     t.queue_time = now - t.enqueued
             for part, out in self._run_isolating(items):
@@ -296,8 +204,8 @@ class EngineCore:
                     self.fail(rid, exc, stage)
                 self.scheduler.update(part, out)
             self.num_forwards += 1
-            self._score_share.decoded(time.monotonic() - now)
-        self._advance_scoring(decoding=bool(items))
+            self.scoring.decoded(time.monotonic() - now)
+        self.scoring.advance(decoding=bool(items), faults=self.faults)
         outs = [self._output_guarded(req) for req in self.scheduler.drain_updates()]
         # A block that ended inside an open MBE window committed nothing yet: no message until something does.
         return [o for o in outs if o.new_ids or o.finished]
@@ -334,10 +242,7 @@ class EngineCore:
             raise EngineFault(f"the forward failed alike for {len(rids)} requests in a row: {key}") from exc
 
     def _reset_rows(self, items: list[WorkItem]) -> None:
-        self.runner.slots.forget([it.req for it in items])
-        for it in items:
-            if isinstance(it.req.constraint, Constraint):
-                it.req.constraint.version = -1  # re-synced to the request's tokens before the next forward
+        self.runner.slots.forget([it.req for it in items])  # resynced from the requests before their next forward
 
     def _output_guarded(self, req: Request) -> RequestOutput:
         """`_output`, or, when building it fails, an error finish for that request alone."""
@@ -348,65 +253,66 @@ class EngineCore:
             self.fail(req.rid, exc, "output")
             self.scheduler.forget_update(req.rid)  # this is its last message
             self._requests.pop(req.rid, None)
-            self._timing.pop(req.rid, None)
-            reason = error_reason(exc) if req.finish_reason is None or req.finish_reason.kind != "error" \
-                else req.finish_reason
-            req.finish_reason = reason
+            self._progress.pop(req.rid, None)
+            finish = req.state.finish_reason
+            reason = finish if finish is not None and finish.kind == "error" else error_reason(exc)
             return RequestOutput(req.rid, [], True, reason.to_json(), None, None,
                                  {"prompt_tokens": req.prompt_len, "completion_tokens": 0})
 
     def _output(self, req: Request) -> RequestOutput:
         ids = req.output_ids()
-        start = min(req.sent_tokens, len(ids))
+        progress = self._progress.get(req.rid) or _Progress(time.monotonic())
+        start = min(progress.sent_tokens, len(ids))
         lp = req.output_logprobs(start)
-        req.sent_tokens = len(ids)
-        meta: dict[str, Any] = {"steps": req.stats.steps, "blocks": req.stats.blocks}
+        progress.sent_tokens = len(ids)
+        meta: dict[str, Any] = {"steps": req.state.stats.steps, "blocks": req.state.stats.blocks}
         if req.finished:
             self._requests.pop(req.rid, None)
-            timing = self._timing.pop(req.rid, None)
-            meta = self._final_meta(req, len(ids), timing)
+            meta = self._final_meta(req, len(ids), self._progress.pop(req.rid, None))
         return RequestOutput(req.rid, ids[start:], req.finished, self._finish_json(req, len(ids)),
                              lp[0] if lp else None, lp[1] if lp else None, meta)
 
     @staticmethod
     def _finish_json(req: Request, n_out: int) -> dict[str, Any] | None:
-        if req.finish_reason is None:
+        finish = req.state.finish_reason
+        if finish is None:
             return None
-        out = req.finish_reason.to_json()
-        if req.finish_reason.kind == "length":
+        out = finish.to_json()
+        if finish.kind == "length":
             out["length"] = n_out
         return out
 
     @staticmethod
-    def _final_meta(req: Request, n_out: int, timing: _Timing | None) -> dict[str, Any]:
+    def _final_meta(req: Request, n_out: int, timing: _Progress | None) -> dict[str, Any]:
         """SGLang-style meta_info of a finished request, with its diffusion figures."""
-        steps = req.stats.steps
+        stats = req.state.stats
+        steps = stats.steps
         meta = {
             "prompt_tokens": req.prompt_len,
             "completion_tokens": n_out,
-            "cached_tokens": req.prefix_cached_tokens,
+            "cached_tokens": req.book.prefix_cached_tokens,
             "steps": steps,
             "tokens_per_forward": n_out / max(steps, 1),
-            "edits": req.stats.edits,
-            "mbe_edits": req.stats.mbe_edits,
-            "blocks": req.stats.blocks,
+            "edits": stats.edits,
+            "mbe_edits": stats.mbe_edits,
+            "blocks": stats.blocks,
             "mode": req.params.mode,
             "mbe_window": req.params.mbe_window,
             "domain": req.params.domain,
             "queue_time": timing.queue_time if timing else None,
             "e2e_latency": time.monotonic() - timing.enqueued if timing else None,
         }
-        if req.edit_trace is not None:
-            meta["edit_trace"] = [list(e) for e in req.edit_trace]
-        if isinstance(req.constraint, Constraint):
-            g = req.constraint.stats
+        if req.state.edit_trace is not None:
+            meta["edit_trace"] = [list(e) for e in req.state.edit_trace]
+        if isinstance(req.state.constraint, Constraint):
+            g = req.state.constraint.stats
             meta["grammar"] = {"rejected": g.rejected, "remasked": g.remasked, "forced": g.forced,
                                "seconds": g.seconds}
         return meta
 
     # ---- likelihoods (engine/likelihood.py, engine/scoring.py) --------------------------------------------
-    def new_score_job(self, token: str, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
-                      max_tokens: int | None = None) -> ScoreJob:
+    def _new_score_job(self, token: str, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
+                       max_tokens: int | None = None) -> ScoreJob:
         """A started likelihood job: masked variants of blocks (likelihood.Variant: block k of a sequence, some
         positions masked, attending the clean blocks before it and itself), read at their targets. The clean
         prefixes come from the radix cache where it has them, are computed block-causally (and cached) where
@@ -421,91 +327,35 @@ class EngineCore:
                                    f"has {len(seq)}", code="context_length_exceeded", param="input_ids")
         if len(variants) > MAX_SCORE_VARIANTS:
             raise RequestError(f"this request needs {len(variants)} block forwards; at most {MAX_SCORE_VARIANTS}",
-                               param="variants")
-        budget = max_tokens or min(self.args.chunked_prefill_size,
-                                   CHUNK_TOKENS.get(torch.device(self.args.device).type, CHUNK_TOKENS["cuda"]))
-        job = ScoreJob(token, sequences, variants, top_k, budget, BLOCK_SIZE, self.tokenizer.mask_token_id,
-                       RequestError)
-        try:
-            job.start(self.scheduler)
-        except BaseException:
-            job.release(self.scheduler)  # the prefixes leased before the one that did not fit
-            raise
-        return job
+                                  param="variants")
+        return self.scoring.start(token, sequences, variants, top_k, max_tokens)
 
     def add_score_job(self, token: str, sequences: list[list[int]], variants: list[Any], top_k: int = 0) -> None:
         """Queue a likelihood job; the loop advances it one chunk per step, between decoding iterations, and
-        its ScoreResult comes out of take_score_results. RequestError as in new_score_job."""
-        if token in self._jobs:
+        its ScoreResult comes out of take_score_results. RequestError as in _new_score_job."""
+        if token in self.scoring.jobs:
             raise RequestError(f"score job {token!r} is already running", code="duplicate_request_id")
-        self._jobs[token] = self.new_score_job(token, sequences, variants, top_k)
+        self.scoring.add(self._new_score_job(token, sequences, variants, top_k))
 
     def cancel_score(self, token: str) -> bool:
         """Drop a likelihood job (its client left): its leased pages are released now. Idempotent."""
-        job = self._jobs.pop(token, None)
-        if job is None:
-            return False
-        job.release(self.scheduler)
-        log.info("score job %s cancelled after %d chunks", token, job.chunks_run)
-        return True
+        return self.scoring.cancel(token)
 
     def take_score_results(self) -> list[ScoreResult]:
-        out, self._score_results = self._score_results, []
-        return out
-
-    def _advance_scoring(self, decoding: bool) -> None:
-        """One chunk of the oldest job, which then goes to the back of the line (round-robin: a small echo
-        request does not wait behind a large /score). While requests decode (`decoding`: this iteration ran a
-        forward), only within scoring's share of the time (scoring.TimeShare). A job that fails ends alone with
-        an error result."""
-        if not self._jobs or not self._score_share.may_run(decoding):
-            return
-        token, job = next(iter(self._jobs.items()))
-        del self._jobs[token]
-        t0 = time.monotonic()
-        try:
-            self.faults.check("score", token)
-            done = job.advance(self.scheduler, self.runner)
-            self._score_share.scored(time.monotonic() - t0, decoding)
-        except RequestError as exc:
-            job.release(self.scheduler)
-            self._score_results.append(ScoreResult.failed(token, exc))
-            return
-        except Exception as exc:  # noqa: BLE001 - one job's failure must not stop the loop
-            log.error("score job %s failed: %s", token, describe(exc))
-            log.debug("score job %s failed", token, exc_info=True)
-            job.release(self.scheduler)
-            self._score_results.append(ScoreResult(token, None, 500, f"scoring failed: {describe(exc)}",
-                                                   "internal_error"))
-            return
-        if done:
-            job.release(self.scheduler)
-            self._score_results.append(ScoreResult(token, job.results))
-        else:
-            self._jobs[token] = job  # to the back of the line
+        return self.scoring.take_results()
 
     def score_variants(self, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
-                       max_tokens: int | None = None) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+                       max_tokens: int | None = None) -> list[Values]:
         """A likelihood job run to its end at once (the offline Engine): per variant, (logprob, top
-        alternatives) at each target. RequestError as in new_score_job."""
-        job = self.new_score_job("offline", sequences, variants, top_k, max_tokens)
-        try:
-            while True:
-                before = job.chunks_run
-                if job.advance(self.scheduler, self.runner):
-                    break
-                if job.chunks_run == before:  # no scratch page (requests hold them): nothing frees one here
-                    raise RequestError("the KV cache is full: try again", status=503, code="cache_full")
-        finally:
-            job.release(self.scheduler)
-        return job.results
+        alternatives) at each target. RequestError as in _new_score_job."""
+        return self.scoring.run_to_end(self._new_score_job("offline", sequences, variants, top_k, max_tokens))
 
     # ---- service -------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.scheduler.stats(), "num_score_jobs": len(self._jobs),
+        return {**self.scheduler.stats(), "num_score_jobs": len(self.scoring.jobs),
                 "num_request_failures": self.num_request_failures}
 
     def info(self) -> dict[str, Any]:
@@ -528,8 +378,7 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
-        for token in list(self._jobs):
-            self.cancel_score(token)
+        self.scoring.shutdown()
         for rid in list(self._requests):
             self.scheduler.abort(rid)
         self.scheduler.drain_updates()
@@ -540,9 +389,4 @@ class EngineCore:
         self.runner = None  # type: ignore[assignment]
         self.model = None  # type: ignore[assignment]
 
-
-def _with_seed(params: Any, seed: int) -> Any:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
 

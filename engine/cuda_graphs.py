@@ -81,7 +81,7 @@ class DecodeGraphs:
         """Plain denoising steps only: every item decodes exactly its active block, with no MBE window."""
         return (
             0 < len(items) <= self.max_bs
-            and all(it.decodes and it.first == it.last == it.req.window_start and it.last < self.max_pages
+            and all(it.decodes and it.first == it.last == it.req.state.window_start and it.last < self.max_pages
                     for it in items)
         )
 

@@ -1,11 +1,13 @@
 """The joint-threshold draft-and-edit step (LLaDA2.1's official decoding), for a whole batch at once.
 
-One forward proposes a token for every position of each request's active block; then, per request:
+One forward proposes a token for every position of each request's open window (its active block; with
+multi-block editing, docs/mbe.md, also the open blocks before it); then, per request:
     M2T: masked positions whose proposal probability p > threshold are filled (strict >); if none passes,
          the single masked position with the highest p is filled (top-1 fallback).
     T2T: already-placed, non-prompt positions whose proposal differs from the current token and has
          p > edit_threshold are replaced (strict >).
-Both come from the same forward. Everything here is tensor ops over [N, B] (no per-request Python loop). The
+Both come from the same forward. Everything here is tensor ops over [N, L] (N requests, L window positions,
+padded to the longest window; no per-request Python loop). The
 logits may have been adjusted first by the request's logit controls (engine/logit_controls.py: penalties,
 logit_bias, min_tokens), so the thresholds see the adjusted probabilities.
 The MASK id is never a proposal: its logit is dropped first (`exclude_mask_`). (A trained LLaDA2 never puts
@@ -33,7 +35,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """U[0, 1) drawn from (seed, absolute position, step) alone: a request's samples never depend on its
-    batch neighbours. seeds, steps: [N] int64; positions: [N, B] int64 -> [N, B] float64."""
+    batch neighbours. seeds, steps: [N] int64; positions: [N, L] int64 -> [N, L] float64."""
     s = seeds[:, None]
     x = _mix32(_mix32(_mix32(s ^ 0x1B873593) ^ (s >> 32)) ^ positions)
     x = _mix32(x ^ (steps[:, None] * 0x2545F491))
@@ -44,32 +46,33 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, steps: torch.Ten
 
 @dataclass
 class SamplingBatch:
-    """Per-request sampling inputs for the rows of a step; None in StepInputs when all are greedy."""
+    """Per-request sampling inputs for the rows of a step (joint_threshold_step's `sampling`: None when every row
+    is greedy)."""
 
     temperature: torch.Tensor  # [N] float (0 = greedy row)
     top_k: torch.Tensor  # [N] int64 (<= 0: off)
     top_p: torch.Tensor  # [N] float
     seeds: torch.Tensor  # [N] int64
     steps: torch.Tensor  # [N] int64, the request's denoising-step counter
-    positions: torch.Tensor  # [N, B] absolute positions of the block
+    positions: torch.Tensor  # [N, L] absolute positions of the window
 
 
 def propose(logits: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Proposal v and its probability p for every position. logits: [N, B, V] (>= fp32).
+    """Proposal v and its probability p for every position. logits: [N, L, V] (>= fp32).
 
     Greedy rows: v = argmax, p = softmax(logits)[v]. Sampled rows: logits / temperature, keep the top_k,
     then the top_p nucleus (the first token always kept), sample by inverse CDF with `uniform_noise`;
     p is the sampled token's probability under that filtered distribution.
     """
-    v = logits.argmax(-1)  # [N, B]
-    p = torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1))  # [N, B]
+    v = logits.argmax(-1)  # [N, L]
+    p = torch.exp(logits.max(-1).values - torch.logsumexp(logits, -1))  # [N, L]
     if sampling is None:
         return v, p
     rows = (sampling.temperature > 0).nonzero().flatten()
     if rows.numel() == 0:
         return v, p
-    sub = logits[rows] / sampling.temperature[rows, None, None].to(logits.dtype)  # [n, B, V]
-    probs, order = torch.softmax(sub, -1).sort(-1, descending=True)  # [n, B, V]
+    sub = logits[rows] / sampling.temperature[rows, None, None].to(logits.dtype)  # [n, L, V]
+    probs, order = torch.softmax(sub, -1).sort(-1, descending=True)  # [n, L, V]
     rank = torch.arange(probs.shape[-1], device=probs.device)
     top_k = sampling.top_k[rows]
     keep = (rank[None, None, :] < torch.where(top_k > 0, top_k, probs.shape[-1])[:, None, None])
@@ -79,7 +82,7 @@ def propose(logits: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch
     keep = mass_before < sampling.top_p[rows, None, None].to(probs.dtype)
     keep[..., 0] = True
     probs = probs * keep
-    cdf = probs.cumsum(-1)  # [n, B, V]
+    cdf = probs.cumsum(-1)  # [n, L, V]
     total = cdf[..., -1:]
     u = uniform_noise(sampling.seeds[rows], sampling.positions[rows], sampling.steps[rows]).to(cdf.dtype)
     pick = torch.searchsorted(cdf, (u[..., None] * total).contiguous(), right=True).clamp_(max=cdf.shape[-1] - 1)
@@ -93,12 +96,12 @@ def propose(logits: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch
 
 @dataclass
 class StepResult:
-    tokens: torch.Tensor  # [N, B] the block after this step
-    proposal: torch.Tensor  # [N, B] the model's token at every position (v)
-    confidence: torch.Tensor  # [N, B] p of v
-    m2t: torch.Tensor  # [N, B] bool: masks filled
-    t2t: torch.Tensor  # [N, B] bool: tokens edited
-    had_mask: torch.Tensor  # [N] bool: the block held a mask before the step
+    tokens: torch.Tensor  # [N, L] the window after this step
+    proposal: torch.Tensor  # [N, L] the model's token at every position (v)
+    confidence: torch.Tensor  # [N, L] p of v
+    m2t: torch.Tensor  # [N, L] bool: masks filled
+    t2t: torch.Tensor  # [N, L] bool: tokens edited
+    had_mask: torch.Tensor  # [N] bool: the window held a mask before the step
 
 
 def exclude_mask_(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -109,9 +112,9 @@ def exclude_mask_(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
 
 
 def joint_threshold_step(
-    logits: torch.Tensor,  # [N, B, V]
-    block: torch.Tensor,  # [N, B] current tokens of each active block
-    editable: torch.Tensor,  # [N, B] bool: False on prompt positions (never edited)
+    logits: torch.Tensor,  # [N, L, V]
+    block: torch.Tensor,  # [N, L] current tokens of each window (padding: never MASK)
+    editable: torch.Tensor,  # [N, L] bool: False on prompt positions and padding (never edited)
     threshold: torch.Tensor,  # [N]
     edit_threshold: torch.Tensor,  # [N]
     mask_id: int,
@@ -123,7 +126,7 @@ def joint_threshold_step(
     if not mask_excluded:
         logits = exclude_mask_(logits.clone(), mask_id)
     v, p = propose(logits, sampling)
-    masked = (block == mask_id) & editable  # [N, B]
+    masked = (block == mask_id) & editable  # [N, L]
     m2t = masked & (p > threshold[:, None].to(p.dtype))
     # Top-1 fallback: a row with masks but no position above threshold fills its most confident mask.
     need_fallback = masked.any(-1) & ~m2t.any(-1)  # [N]

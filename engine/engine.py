@@ -24,24 +24,7 @@ class Engine:
         self.core = EngineCore(self.args)
         self.tokenizer = self.core.tokenizer
         self.model_path = self.core.model_path
-        self.model_config = self.core.model_config
-
-    # Parts tests and benchmarks reach for.
-    @property
-    def scheduler(self):
-        return self.core.scheduler
-
-    @property
-    def runner(self):
-        return self.core.runner
-
-    @property
-    def pool(self):
-        return self.core.scheduler.pool
-
-    @property
-    def model(self):
-        return self.core.model
+        self.model_config = self.core.model_config  # (the other parts are the core's: core.scheduler, core.runner)
 
     @property
     def quantization(self) -> str | None:

@@ -26,15 +26,15 @@ from redraft.scheduler.request import Request
 class LogitControls:
     def __init__(self, vocab_size: int, eos_id: int, device: torch.device):
         self.vocab_size, self.eos_id, self.device = vocab_size, eos_id, device
-        # slot -> ((rid, block_version), output counts [V] float, seen in prompt or output [V] bool)
+        # slot -> (Request.row_key, output counts [V] float, seen in prompt or output [V] bool)
         self._rows: dict[int, tuple[tuple[str, int], torch.Tensor, torch.Tensor]] = {}
 
     def _counts(self, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (r.rid, r.block_version)
-        row = self._rows.get(r.slot)
+        key = r.row_key
+        row = self._rows.get(r.book.slot)
         if row is None or row[0] != key:
             b = r.block_size
-            output = r.tokens[r.prompt_len : max(r.prompt_len, r.final_blocks * b)]  # committed output
+            output = r.state.tokens[r.prompt_len : max(r.prompt_len, r.state.window_start * b)]  # committed output
             counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=self.vocab_size)
             counts = counts[: self.vocab_size].to(self.device, torch.float64)
             seen = counts > 0
@@ -42,7 +42,7 @@ class LogitControls:
                 prompt = torch.tensor(r.prompt_ids, dtype=torch.long, device=self.device)
                 seen = seen.clone()
                 seen[prompt[prompt < self.vocab_size]] = True
-            row = self._rows[r.slot] = (key, counts, seen)
+            row = self._rows[r.book.slot] = (key, counts, seen)
         return row[1], row[2]
 
     def apply(self, logits: torch.Tensor, reqs: list[Request], window: torch.Tensor, mask_id: int) -> None:
@@ -62,9 +62,9 @@ class LogitControls:
                 if p.frequency_penalty or p.presence_penalty:
                     row -= (p.frequency_penalty * counts + p.presence_penalty * (counts > 0)).to(dtype)[None, :]
             if p.stutter_penalty:
-                start = r.window_start * r.block_size
+                start = r.state.window_start * r.block_size
                 prev = window[i].roll(1).clone()  # [L] the token at position j - 1, before this step
-                prev[0] = r.tokens[start - 1] if start > 0 else -1
+                prev[0] = r.state.tokens[start - 1] if start > 0 else -1
                 ok = (prev >= 0) & (prev != mask_id) & (prev < self.vocab_size)
                 pos = ok.nonzero().flatten()
                 row[pos, prev[pos]] -= p.stutter_penalty
@@ -73,7 +73,7 @@ class LogitControls:
                 bias = torch.tensor([v for _, v in p.logit_bias], dtype=dtype, device=row.device)
                 row[:, ids] += bias[None, :]
             if p.min_tokens:
-                start = r.window_start * r.block_size
+                start = r.state.window_start * r.block_size
                 out_pos = torch.arange(start, start + row.shape[0], device=row.device) - r.prompt_len  # [L]
                 early = (out_pos < p.min_tokens).nonzero().flatten()
                 banned = [t for t in {self.eos_id, *p.stop_token_ids} if t < self.vocab_size]

@@ -2,11 +2,13 @@
 
 Owns the model, the KV cache tensors (pages are allocated by the scheduler's PagePool; this class only
 reads/writes the rows the page ids point at) and the per-slot decoding state: each running request holds a
-slot (`Request.slot`, given by the scheduler), and the tensors below keep, per slot, the tokens of its open
+slot (`Request.book.slot`, given by the scheduler), and the tensors below keep, per slot, the tokens of its open
 window (the active block alone without multi-block editing), which of them may be edited, and its thresholds
-and sampling settings. A slot's row is loaded from the request when its block begins (`Request.block_version`
-changes) and updated in place by each step, so a steady-state step builds no per-request Python lists for the
-decoding step. The step runs on [N, L] positions: every request's window, padded to the longest in the batch.
+and sampling settings. `SlotState.sync` mirrors a request's decoding state to its row when its block (re)began
+(`Request.row_key` changed) and the row is updated in place by each step, so a steady-state step builds no
+per-request Python lists for the decoding step. The step runs on [N, L] positions: every request's window,
+padded to the longest in the batch. Structured output's grammar (engine/constrained.py) and logit controls
+(engine/logit_controls.py) run per request inside the step; likelihood forwards are engine/scoring.py's.
 """
 
 from __future__ import annotations
@@ -54,22 +56,24 @@ class ForwardBatch:
 
 def build_forward_batch(items: list[WorkItem], block_size: int) -> ForwardBatch:
     """Every item's query: blocks [first, last] of its tokens, with its page table through `last`; a decoding
-    item's open window [req.window_start, last] is bidirectional (prefill items are block-causal throughout)."""
+    item's open window [req.state.window_start, last] is bidirectional (prefill items are block-causal
+    throughout)."""
     q_starts, q_lens, tables, windows, ids = [], [], [], [], []
     for it in items:
         start, end = it.first * block_size, (it.last + 1) * block_size
         q_starts.append(start)
         q_lens.append(end - start)
-        tables.append(it.req.pages[: it.last + 1])
-        windows.append(it.req.window_start * block_size if it.decodes else end)
-        ids.extend(it.req.tokens[start:end])
+        tables.append(it.req.book.pages[: it.last + 1])
+        windows.append(it.req.state.window_start * block_size if it.decodes else end)
+        ids.extend(it.req.state.tokens[start:end])
     return ForwardBatch(torch.tensor(ids, dtype=torch.long), q_starts, q_lens, tables, windows)
 
 
 class SlotState:
-    """Per-slot decoding state on the device, indexed by Request.slot: [S, ...] tensors, S = running slots,
+    """Per-slot decoding state on the device, indexed by Request.book.slot: [S, ...] tensors, S = running slots,
     L = the longest window (MAX_MBE_WINDOW blocks). Positions past a request's window hold PAD (never MASK)
-    and are not editable, so the step leaves them alone."""
+    and are not editable, so the step leaves them alone. Each row mirrors one request's decoding state as of its
+    block's start (`Request.row_key`); the steps then advance it in place."""
 
     PAD = -1
 
@@ -86,18 +90,17 @@ class SlotState:
         self.top_k = torch.zeros(s, dtype=torch.long, device=device)
         self.top_p = torch.ones(s, dtype=torch.float64, device=device)
         self.seed = torch.zeros(s, dtype=torch.long, device=device)
-        self._owner: list[tuple[int, int] | None] = [None] * s  # (Request.uid, block_version) each row was loaded for
+        self._owner: list[tuple[int, int] | None] = [None] * s  # the Request.row_key each row was loaded for
 
-    def load(self, reqs: list[Request]) -> torch.Tensor:
-        """Rows of these requests, (re)loaded where a block began since; returns their slot ids [N]."""
-        for r in reqs:
-            if self._owner[r.slot] != (r.uid, r.block_version):
-                self._load_row(r)
-        return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.tokens.device)
+    def stale(self, r: Request) -> bool:
+        """Whether r's row does not hold r's current block start (a block began, or the row was forgotten)."""
+        return self._owner[r.book.slot] != r.row_key
 
-    def _load_row(self, r: Request) -> None:
-        i, p, b = r.slot, r.params, self.block_size
-        start = r.window_start * b
+    def sync(self, r: Request) -> None:
+        """THE mirror of a request's decoding state to its device row: the window's tokens, which of them may be
+        edited, the step counter, thresholds and sampling settings."""
+        i, p, b = r.book.slot, r.params, self.block_size
+        start = r.state.window_start * b
         window = r.window_tokens()
         n = len(window)
         self.tokens[i] = self.PAD
@@ -105,18 +108,21 @@ class SlotState:
         self.editable[i] = False
         self.editable[i, :n] = torch.arange(start, start + n) >= r.prompt_len
         self.window_start[i] = start
-        self.steps[i] = r.stats.steps
+        self.steps[i] = r.state.stats.steps
         self.threshold[i], self.edit_threshold[i] = p.threshold, p.edit_threshold
         self.temperature[i], self.top_k[i], self.top_p[i] = p.temperature, p.top_k, p.top_p
         self.seed[i] = p.seed or 0
-        self._owner[i] = (r.uid, r.block_version)
+        self._owner[i] = r.row_key
+
+    def slot_ids(self, reqs: list[Request]) -> torch.Tensor:
+        return torch.tensor([r.book.slot for r in reqs], dtype=torch.long, device=self.tokens.device)  # [N]
 
     def forget(self, reqs: list[Request]) -> None:
-        """Reload these requests' rows from the requests on their next step (a step that failed half-way may
-        have advanced them)."""
+        """Resync these requests' rows (and their grammars) from the requests before their next step (a step that
+        failed half-way may have advanced them)."""
         for r in reqs:
-            if r.slot >= 0:
-                self._owner[r.slot] = None
+            if r.book.slot >= 0:
+                self._owner[r.book.slot] = None
 
     def sampling(self, slots: torch.Tensor, width: int) -> SamplingBatch:
         ar = torch.arange(width, device=slots.device)
@@ -178,12 +184,8 @@ class ModelRunner:
         A per-request stage (structured output's block start and sweep, logit controls) that raises ends only
         that request: its rid and exception go to `StepOutput.failed` (its row's results are then meaningless and
         the engine ends it before `update`). An exception from the batch itself (the forward) propagates."""
-        b = self.block_size
         failed: dict[str, tuple[str, BaseException]] = {}
-        for it in items:  # structured output: a block that (re)begins starts with what its grammar forces
-            c: Constraint | None = it.req.constraint  # type: ignore[assignment]
-            if c is not None and it.decodes and c.version != it.req.block_version:
-                self._guard(failed, it.req, "begin_block", self._begin_block, it.req, c, b)
+        self._sync_rows([it.req for it in items if it.decodes], failed)
         self.faults.check_any("forward", [it.req.rid for it in items])
         batch = build_forward_batch(items, self.block_size)
         if self.graphs is not None and self.graphs.can_run(items):
@@ -195,14 +197,14 @@ class ModelRunner:
                 return StepOutput(failed=failed)
         exclude_mask_(logits, self.mask_id)  # our scratch: the step and the logprobs both read it this way
         reqs = [items[i].req for i in decoding]
-        slots = self.slots.load(reqs)
+        slots = self.slots.slot_ids(reqs)  # [N]
         lens = [r.window_size * self.block_size for r in reqs]  # each window's positions
         if any(r.params.has_logit_controls for r in reqs):
             window = self.slots.tokens[slots, : logits.shape[1]]
             for i, r in enumerate(reqs):  # one request at a time, so that a failure is that request's alone
                 if r.params.has_logit_controls and r.rid not in failed:
                     self._guard(failed, r, "controls", self._controls, logits, window, i, r)
-        constrained = [i for i, r in enumerate(reqs) if r.constraint is not None and r.rid not in failed]
+        constrained = [i for i, r in enumerate(reqs) if r.state.constraint is not None and r.rid not in failed]
         before = self.slots.tokens[slots, : logits.shape[1]].clone() if constrained else None  # [N, L]
         result = self._step(logits, slots, reqs)
         if constrained:
@@ -232,10 +234,14 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - ends this request only
             failed[req.rid] = (stage, exc)
 
-    @staticmethod
-    def _begin_block(req: Request, c: Constraint, b: int) -> None:
-        c.begin_block(req.tokens, req.active_block * b, (req.active_block + 1) * b)
-        c.version = req.block_version
+    def _sync_rows(self, reqs: list[Request], failed: dict[str, tuple[str, BaseException]]) -> None:
+        """Before the forward, for each request whose block (re)began since its row was loaded: structured output
+        first writes what its grammar forces into the block (the forward reads it), then the row is synced."""
+        for r in reqs:
+            if self.slots.stale(r):
+                if r.state.constraint is not None:
+                    self._guard(failed, r, "begin_block", r.begin_constraint)
+                self.slots.sync(r)
 
     def _controls(self, logits: torch.Tensor, window: torch.Tensor, i: int, r: Request) -> None:
         self.controls.apply(logits[i : i + 1], [r], window[i : i + 1], self.mask_id)
@@ -278,10 +284,10 @@ class ModelRunner:
         b = self.block_size
         for j, i in enumerate(rows):
             r, n = reqs[i], lens[i]
-            c: Constraint = r.constraint  # type: ignore[assignment]
+            c: Constraint = r.state.constraint  # type: ignore[assignment]
             fixed: list[list[int]] = []
             self._guard(failed, r, "sweep", lambda: fixed.append(c.sweep(
-                r.window_start * b, before_rows[j][:n], after_rows[j][:n], self.mask_id,
+                r.state.window_start * b, before_rows[j][:n], after_rows[j][:n], self.mask_id,
                 lambda pos, row=i: self._candidates(logits[row, pos]), r.params.threshold,
                 lambda pos, bitmask, row=i: self._masked_argmax(logits[row, pos], bitmask))))
             if fixed and fixed[0] != after_rows[j][:n]:
@@ -314,44 +320,13 @@ class ModelRunner:
             best = int(allowed.nonzero()[0])
         return best
 
-    @torch.inference_mode()
-    def query_logprobs(self, queries: list[tuple[list[int], int, list[int]]], reads: list[list[tuple[int, int]]],
-                       top_k: int = 0) -> list[list[tuple[float, list[tuple[int, float]]]]]:
-        """Scoring forwards outside the decode batches: each query (token ids, first position, page table) is
-        block-causal, its K/V written where its page table says; then, per query, for each (offset, token) in
-        its reads, the token's log-probability at that offset (MASK excluded, as in decoding) and the top_k
-        alternatives [(token, logprob)] of the same row."""
-        b = self.block_size
-        ids = torch.tensor([t for q in queries for t in q[0]], dtype=torch.long, device=self.device)
-        meta = AttentionMetadata.build([q[1] for q in queries], [len(q[0]) for q in queries], [q[2] for q in queries],
-                                       b, self.device, with_torch_plan=self.model.kernel_backend == "torch")
-        hidden = self.model(ids, meta, self.k_cache, self.v_cache)  # [T, H]
-        starts = meta.cu_q[:-1].tolist()
-        flat = [starts[i] + off for i, rs in enumerate(reads) for off, _ in rs]
-        if not flat:
-            return [[] for _ in queries]
-        logits = exclude_mask_(self.model.logits(hidden, torch.tensor(flat, device=self.device)), self.mask_id)
-        lp = finite_logprobs(logits)  # [R, V]
-        want = torch.tensor([tok for rs in reads for _, tok in rs], device=self.device)
-        chosen = lp.gather(-1, want[:, None]).squeeze(-1).tolist()
-        top_v, top_i = lp.topk(top_k, -1) if top_k else (None, None)
-        out, r = [], 0
-        for rs in reads:
-            row = []
-            for _ in rs:
-                alts = list(zip(top_i[r].tolist(), top_v[r].tolist())) if top_k else []
-                row.append((chosen[r], alts))
-                r += 1
-            out.append(row)
-        return out
-
     @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Request], wants: list[bool],
                   lens: list[int], out: StepOutput) -> None:
         """Log-probabilities of the window's tokens after the step, under this forward's distribution after the
         request's logit controls (no temperature or filtering; MASK excluded), and the top alternatives where asked."""
         rows = [i for i, w in enumerate(wants) if w]
-        lp = finite_logprobs(logits[rows])  # [n, B, V]
+        lp = finite_logprobs(logits[rows])  # [n, L, V]
         chosen = lp.gather(-1, tokens[rows].clamp(min=0)[..., None]).squeeze(-1).tolist()  # [n, L] (PAD: any row)
         k = max(reqs[i].params.top_logprobs for i in rows)
         top_v, top_i = lp.topk(k, -1) if k else (None, None)

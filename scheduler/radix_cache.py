@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from redraft.scheduler.page_pool import PagePool
 
-__all__ = ["MatchResult", "RadixCache", "RadixNode"]
+__all__ = ["MatchResult", "RadixCache", "RadixNode", "blocks_through"]
 
 Block = tuple[int, ...]
 
@@ -49,6 +49,15 @@ class RadixNode:
 
     def __repr__(self) -> str:
         return f"RadixNode(id={self.id}, blocks={len(self.blocks)}, lock_ref={self.lock_ref}, t={self.last_access})"
+
+
+def blocks_through(node: RadixNode) -> int:
+    """Blocks on the path from the root through the end of `node` (0 for the root)."""
+    n = 0
+    while node.parent is not None:
+        n += len(node.blocks)
+        node = node.parent
+    return n
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,8 @@ Each iteration (`schedule` -> model runner -> `update`):
      blocks, block-causal) limited by the per-iteration prefill-token budget.
 After the forward, blocks whose K/V became exact are inserted into the radix tree (prompt blocks after
 their prefill, generated blocks as they are committed), so the next turn of a chat reuses them.
+Of a request, the scheduler writes only its bookkeeping (`Request.book`: pages, slot, locked prefix, exact
+blocks); its decoding state changes through the request's own methods (scheduler/request.py).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
 from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.protocol.server_args import ServerArgs
 from redraft.scheduler.page_pool import PagePool
-from redraft.scheduler.radix_cache import RadixCache
-from redraft.scheduler.request import FinishReason, Request, Status
+from redraft.scheduler.radix_cache import MatchResult, RadixCache
+from redraft.scheduler.request import FinishReason, Request
 
 log = logging.getLogger("redraft.scheduler")
 
@@ -37,18 +41,6 @@ def describe(exc: BaseException, limit: int = 300) -> str:
 def error_reason(exc: BaseException) -> FinishReason:
     """The finish of a request that a failure inside the engine ended (that request alone)."""
     return FinishReason("error", message=describe(exc))
-
-
-@dataclass
-class PrefixLease:
-    """Pages for the whole blocks of a token prefix, for scoring (engine/likelihood.py): the first `cached`
-    come from the radix tree; the caller computes the K/V of the rest, then `Scheduler.release_prefix` hands
-    them to the tree. Held pages are locked until released."""
-
-    tokens: list[int]
-    pages: list[int]
-    cached: int
-    node: object | None
 
 
 class QueueFull(Exception):
@@ -69,6 +61,9 @@ class SchedulerConfig:
     max_prefill_tokens: int = ServerArgs.chunked_prefill_size  # prefill-chunk token budget per iteration
     policy: str = ServerArgs.schedule_policy  # "fcfs" | "lpm" (longest prefix match first)
     enable_prefix_cache: bool = ServerArgs.enable_prefix_cache
+    # Benchmark baseline: no K/V is ever reused, not even a request's own earlier blocks (every forward
+    # recomputes the whole prefix) and nothing is cached.
+    recompute_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "lpm"):
@@ -76,11 +71,16 @@ class SchedulerConfig:
         if self.max_prefill_tokens < self.block_size:
             raise ValueError("max_prefill_tokens must hold at least one block")
 
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.enable_prefix_cache and not self.recompute_prefix
+
 
 @dataclass
 class WorkItem:
     """One request's share of a forward: blocks [first, last]. `decodes` when `last` is its active block: the
-    query then ends with its open window [req.window_start, last], and the blocks before it are prefill rows."""
+    query then ends with its open window [req.state.window_start, last], and the blocks before it are prefill
+    rows."""
 
     req: Request
     first: int
@@ -118,7 +118,9 @@ class Scheduler:
         self._free_slots = list(range(config.max_running_requests - 1, -1, -1))  # the model runner's rows
         self.num_preemptions = 0
         self.fault_hook = None  # tests only: fault_hook(stage, rid) may raise (engine/faults.py)
-        self.num_leases = 0  # scoring leases not yet released (they may hold the pages a request waits for)
+        # Whether pages are held outside the requests now (alloc_pages' callers: the engine's likelihood jobs);
+        # while they are, a request that does not fit waits for them instead of failing.
+        self.pages_held_elsewhere: Callable[[], bool] = lambda: False
         # Requests whose committed output changed or that finished since the last drain.
         self._updated: dict[str, Request] = {}
 
@@ -132,8 +134,7 @@ class Scheduler:
                 f"the request needs {req.total_blocks * self.config.block_size} tokens of KV cache; "
                 f"the cache holds {self.pool.capacity * self.config.block_size}"
             )
-        req.arrival = next(self._arrivals)
-        req.status = Status.WAITING
+        req.book.arrival = next(self._arrivals)
         self.waiting.append(req)
 
     def abort(self, rid: str, reason: FinishReason | None = None, keep_tokens: int | None = None) -> bool:
@@ -144,9 +145,7 @@ class Scheduler:
                 if req.rid == rid:
                     if queue is self.waiting:
                         self.waiting.remove(req)
-                    if keep_tokens is not None:
-                        req.output_limit = keep_tokens
-                    self._finish(req, reason or FinishReason("abort"))
+                    self._finish(req, reason or FinishReason("abort"), keep_tokens)
                     return True
         return False
 
@@ -200,7 +199,7 @@ class Scheduler:
         decoding = [it for it in items if it.decodes]
         for it in items:
             if not it.decodes and not it.req.finished:
-                self._guarded(it.req, "prefill", it.req.mark_prefilled, it.last)
+                self._guarded(it.req, "prefill", self._mark_prefilled, it.req, it.last)
         for i, it in enumerate(decoding):
             if not it.req.finished:  # (else aborted or failed while the forward ran)
                 self._guarded(it.req, "update", self._apply, it.req, out, i)
@@ -212,8 +211,14 @@ class Scheduler:
         if out.logprobs and out.logprobs[i] is not None:
             req.set_window_logprobs(out.logprobs[i], out.top_logprobs[i])
         mbe = out.mbe_edits[i] if out.mbe_edits else 0
-        if req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe):
+        end = req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe)
+        req.book.exact_blocks = end.exact_blocks
+        if end.ended:
             self._end_block(req)
+
+    @staticmethod
+    def _mark_prefilled(req: Request, through_block: int) -> None:
+        req.book.exact_blocks = max(req.book.exact_blocks, through_block + 1)
 
     # ---- internals --------------------------------------------------------------------------------
     def _end_block(self, req: Request) -> None:
@@ -224,43 +229,46 @@ class Scheduler:
         else:
             req.advance()
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        req.finish(reason)
+    def _finish(self, req: Request, reason: FinishReason, keep_tokens: int | None = None) -> None:
+        req.finish(reason, keep_tokens)
         if req in self.running:
             self.running.remove(req)
-            self._free_slots.append(req.slot)
-            req.slot = -1
+            self._free_slots.append(req.book.slot)
+            req.book.slot = -1
         self._release(req)
         self._updated[req.rid] = req
 
     def _release(self, req: Request) -> None:
-        """Hand the exact blocks to the tree, free the rest, unlock the prefix."""
-        if req.pages and self.config.enable_prefix_cache:
+        """Hand the exact blocks to the tree, free the rest, unlock the prefix: the request holds no page."""
+        book = req.book
+        if book.pages and self.config.caches_prefixes:
             self._cache_exact_blocks(req)
-        leftover = req.pages[req.tree_blocks :]
+        leftover = book.pages[book.tree_blocks :]
         if leftover:
             self.pool.free(leftover)
-        if req.cache_node is not None:
-            self.cache.dec_lock(req.cache_node)
-        req.cache_node = None
-        req.tree_blocks = 0
-        req.pages = []
+        if book.cache_node is not None:
+            self.cache.dec_lock(book.cache_node)
+        book.cache_node = None
+        book.pages = []
+        book.exact_blocks = 0
 
     def _cache_exact_blocks(self, req: Request) -> None:
-        n = req.cached_blocks
-        if not self.config.enable_prefix_cache or n <= req.tree_blocks:
+        book = req.book
+        n = book.exact_blocks
+        if not self.config.caches_prefixes or n <= book.tree_blocks:
             return
-        tokens = req.tokens[: n * self.config.block_size]
-        self.cache.insert(tokens, req.pages[:n])  # the tree takes new pages, frees our duplicates
+        tokens = req.state.tokens[: n * self.config.block_size]
+        self.cache.insert(tokens, book.pages[:n])  # the tree takes new pages, frees our duplicates
         match = self.cache.match_prefix(tokens, record_stats=False)
         self.cache.inc_lock(match.last_node)
-        if req.cache_node is not None:
-            self.cache.dec_lock(req.cache_node)
-        req.cache_node = match.last_node
-        req.pages[:n] = match.pages
-        req.tree_blocks = n
+        if book.cache_node is not None:
+            self.cache.dec_lock(book.cache_node)
+        book.cache_node = match.last_node  # its prefix is the n blocks: tree_blocks == n
+        book.pages[:n] = match.pages
 
-    def _alloc(self, n: int) -> list[int] | None:
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """`n` pages from the pool, evicting unlocked cache leaves if need be; None when they cannot be had now.
+        For K/V outside the requests too (the caller frees them with `free_pages` or hands them to the tree)."""
         pages = self.pool.alloc(n)
         if pages is None and n > self.pool.num_free:
             self.cache.evict(n - self.pool.num_free)
@@ -269,20 +277,23 @@ class Scheduler:
 
     def _grow_running(self) -> None:
         """A page for every running request's active block, oldest first; preempt the newest if need be."""
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            need = req.active_block + 1 - len(req.pages)
+        for req in sorted(self.running, key=lambda r: r.book.arrival):
+            need = req.state.active_block + 1 - len(req.book.pages)
             while need > 0 and req in self.running:
-                pages = self._alloc(need)
+                pages = self.alloc_pages(need)
                 if pages is not None:
-                    req.pages.extend(pages)
+                    req.book.pages.extend(pages)
                     break
-                victim = max(self.running, key=lambda r: r.arrival)
+                victim = max(self.running, key=lambda r: r.book.arrival)
                 self._preempt(victim)
+
+    def free_pages(self, pages: list[int]) -> None:
+        self.pool.free(pages)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._free_slots.append(req.slot)
-        req.slot = -1
+        self._free_slots.append(req.book.slot)
+        req.book.slot = -1
         self._release(req)
         req.preempt()
         self.waiting.appendleft(req)
@@ -294,32 +305,38 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_running_requests and budget >= b:
             req = self._pick_waiting()
             prefix = req.prefix_tokens()
-            match = self.cache.match_prefix(prefix, record_stats=False) if self.config.enable_prefix_cache else None
+            match = self.cache.match_prefix(prefix, record_stats=False) if self.config.caches_prefixes else None
             matched = len(match.pages) if match else 0
-            need = req.resume_block + 1 - matched  # uncached blocks through the block it (re)starts at
+            need = req.state.active_block + 1 - matched  # uncached blocks through the block it (re)starts at
             if match is not None:
                 self.cache.inc_lock(match.last_node)  # protect the match from our own eviction
-            pages = self._alloc(need)
+            pages = self.alloc_pages(need)
             if pages is None:
                 if match is not None:
                     self.cache.dec_lock(match.last_node)
-                if not self.running and not self.num_leases:
+                if not self.running and not self.pages_held_elsewhere():
                     raise RuntimeError("KV cache too small to admit a single request")
                 break
             self.waiting.remove(req)
-            req.pages = (match.pages if match else []) + pages
-            req.cache_node = match.last_node if match else None
-            req.tree_blocks = matched
-            req.cached_blocks = matched
-            if not req.admitted:  # hit-rate and cached_tokens describe a request's first admission only
-                req.admitted = True
-                req.prefix_cached_tokens = matched * b
-                self.cache.queried_tokens += len(req.prompt_ids)
-                self.cache.hit_tokens += matched * b
-            req.slot = self._free_slots.pop()
+            self._seat(req, match, pages)
             req.start()
             self.running.append(req)
-            budget -= max(0, req.window_start - matched) * b
+            budget -= max(0, req.state.window_start - matched) * b
+
+    def _seat(self, req: Request, match: MatchResult | None, pages: list[int]) -> None:
+        """The admitted request's pages (the matched prefix's, then its own), lock, slot and first-admission
+        figures."""
+        book, b = req.book, self.config.block_size
+        matched = len(match.pages) if match else 0
+        book.pages = (match.pages if match else []) + pages
+        book.cache_node = match.last_node if match else None
+        book.exact_blocks = matched
+        if not book.admitted:  # hit-rate and cached_tokens describe a request's first admission only
+            book.admitted = True
+            book.prefix_cached_tokens = matched * b
+            self.cache.queried_tokens += len(req.prompt_ids)
+            self.cache.hit_tokens += matched * b
+        book.slot = self._free_slots.pop()
 
     def _pick_waiting(self) -> Request:
         if self.config.policy == "fcfs" or len(self.waiting) == 1:
@@ -331,54 +348,20 @@ class Scheduler:
         budget = self.config.max_prefill_tokens
         b = self.config.block_size
         items = []
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            first, last = req.cached_blocks, req.active_block
-            assert first <= req.window_start, "an open block must be in the query (its K/V are recomputed)"
-            prefill_blocks = max(0, req.window_start - first - 1)  # beyond the open window and one stale block
+        # recompute_prefix: every query starts at block 0 (the budget still counts as if K/V were kept)
+        recompute = self.config.recompute_prefix
+        for req in sorted(self.running, key=lambda r: r.book.arrival):
+            first, last, window = req.book.exact_blocks, req.state.active_block, req.state.window_start
+            assert first <= window, "an open block must be in the query (its K/V are recomputed)"
+            prefill_blocks = max(0, window - first - 1)  # beyond the open window and one stale block
             if prefill_blocks * b <= budget:
                 budget -= prefill_blocks * b
-                items.append(WorkItem(req, first, last, True))
+                items.append(WorkItem(req, 0 if recompute else first, last, True))
             elif budget >= b:
                 n = budget // b
                 budget -= n * b
-                items.append(WorkItem(req, first, first + n - 1, False))
+                items.append(WorkItem(req, 0 if recompute else first, first + n - 1, False))
         return items
-
-    # ---- scoring: prefixes and scratch pages outside the decode batches ----------------------------------
-    def lease_prefix(self, tokens: list[int]) -> PrefixLease | None:
-        """Pages for the whole blocks of `tokens` (cached ones from the tree, fresh ones for the rest), or None
-        when the pool cannot hold them now."""
-        b = self.config.block_size
-        tokens = tokens[: len(tokens) // b * b]
-        match = self.cache.match_prefix(tokens) if self.config.enable_prefix_cache else None
-        cached = len(match.pages) if match else 0
-        if match is not None:
-            self.cache.inc_lock(match.last_node)
-        fresh = self._alloc(len(tokens) // b - cached)
-        if fresh is None:
-            if match is not None:
-                self.cache.dec_lock(match.last_node)
-            return None
-        self.num_leases += 1
-        return PrefixLease(tokens, (match.pages if match else []) + fresh, cached, match.last_node if match else None)
-
-    def release_prefix(self, lease: PrefixLease, computed: bool) -> None:
-        """Hand the lease's pages to the tree (when their K/V were computed) or back to the pool; unlock."""
-        fresh = lease.pages[lease.cached :]
-        if computed and self.config.enable_prefix_cache and fresh:
-            self.cache.insert(lease.tokens, lease.pages)  # the tree takes the new pages, frees duplicates
-        elif fresh:
-            self.pool.free(fresh)
-        if lease.node is not None:
-            self.cache.dec_lock(lease.node)
-        self.num_leases -= 1
-
-    def alloc_scratch(self, n: int) -> list[int] | None:
-        """`n` pages for one forward's throw-away K/V (free them with free_scratch)."""
-        return self._alloc(n)
-
-    def free_scratch(self, pages: list[int]) -> None:
-        self.pool.free(pages)
 
     # ---- stats --------------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -90,15 +90,15 @@ def test_input_errors_are_clear(engine):
 
 
 def test_pages_are_returned_after_every_call(engine):
-    sched = engine.scheduler
+    sched = engine.core.scheduler
     engine.generate(input_ids=[[5] * 70, [6] * 3], sampling_params={"max_new_tokens": 50})
     # finished requests hand their exact blocks to the prefix cache and hold nothing themselves
     assert sched.cache.cached_pages > 0
-    assert engine.pool.num_used == sched.cache.cached_pages and sched.cache.protected_pages == 0
+    assert sched.pool.num_used == sched.cache.cached_pages and sched.cache.protected_pages == 0
     with pytest.raises(ValueError):
         engine.generate(input_ids=[[5], [10**9]])
-    assert engine.pool.num_used == sched.cache.cached_pages
-    assert sched.flush_cache() and engine.pool.num_used == 0
+    assert sched.pool.num_used == sched.cache.cached_pages
+    assert sched.flush_cache() and sched.pool.num_used == 0
 
 
 def test_engine_without_a_model_serves_the_bundled_demo_model():

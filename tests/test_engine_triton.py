@@ -48,7 +48,7 @@ def tiny(tiny_checkpoint) -> Path:
 def engine(path: Path, backend: str) -> redraft.Engine:
     eng = redraft.Engine(str(path), device=DEVICE, dtype="float32", kernel_backend=backend, progress=False,
                          max_total_tokens=4096, disable_cuda_graph=True)
-    eng.model.set_moe_experts(moe_experts_torch)  # on CUDA too: attention is the only difference under test
+    eng.core.model.set_moe_experts(moe_experts_torch)  # on CUDA too: attention is the only difference under test
     return eng
 
 
@@ -77,26 +77,27 @@ def test_triton_backend_reproduces_torch_tokens(engines, mode):
     steps take the static-buffer path that the CUDA graphs replay (run eagerly here): buckets 1, 2, 4, 6, so
     the five requests start in the 6-bucket with a padding row on the scratch page; mode Q runs plain eager."""
     ref, tri, ids = engines
-    assert tri.model.kernel_backend == "triton"
+    assert tri.core.model.kernel_backend == "triton"
     params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "mode": mode}
     want = ref.generate(input_ids=ids, sampling_params=params)
     used = []
     if mode == "S":
-        graphs = DecodeGraphs(tri.runner, max_bs=6, capture=False)
+        graphs = DecodeGraphs(tri.core.runner, max_bs=6, capture=False)
         assert graphs.buckets == [1, 2, 4, 6]
         run = graphs.run
         graphs.run = lambda batch: used.append(len(batch.q_starts)) or run(batch)
-        tri.runner.graphs = graphs
+        tri.core.runner.graphs = graphs
     try:
         got = tri.generate(input_ids=ids, sampling_params=params)
     finally:
-        tri.runner.graphs = None
+        tri.core.runner.graphs = None
     for n, a, b in zip(PROMPT_LENGTHS, want, got):
         assert b["output_ids"] == a["output_ids"], f"prompt of {n} tokens, mode {mode}"
         assert b["meta_info"]["steps"] == a["meta_info"]["steps"], f"prompt of {n} tokens, mode {mode}"
     if mode == "S":
         assert used and max(used) == len(ids), "the static step never ran"
-        assert tri.runner.k_cache.shape[1] == tri.pool.num_pages + 1  # the scratch page: beyond the pool's pages
+        # the scratch page: beyond the pool's pages
+        assert tri.core.runner.k_cache.shape[1] == tri.core.scheduler.pool.num_pages + 1
 
 
 @pytest.mark.slow

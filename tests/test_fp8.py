@@ -292,10 +292,10 @@ def test_fp8_engine_on_the_triton_backend(tiny):
 
     eng = redraft.Engine(str(tiny), device=DEVICE, dtype="float32", kernel_backend="triton", quantization="fp8",
                          progress=False, max_total_tokens=1024, disable_cuda_graph=True)
-    layer = eng.model.layers[1]
+    layer = eng.core.model.layers[1]
     assert isinstance(layer.attn.qkv, q.Fp8Linear) and layer.attn.qkv.kernel_backend == "triton"
     assert layer.mlp.w13.dtype == q.FP8_DTYPE and layer.mlp.impl is moe_forward_triton
-    assert isinstance(eng.model.layers[0].mlp, q.Fp8DenseMLP)
+    assert isinstance(eng.core.model.layers[0].mlp, q.Fp8DenseMLP)
     params = {"max_new_tokens": 4, "temperature": 0.0, "threshold": 0.0, "max_post_steps": 0}  # few forwards
     out = eng.generate(input_ids=[40, 41, 42, 43], sampling_params=params)
     assert len(out["output_ids"]) >= 1 and all(0 <= t < eng.model_config.vocab_size for t in out["output_ids"])

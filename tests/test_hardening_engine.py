@@ -83,7 +83,7 @@ def test_a_failure_in_one_stage_ends_that_request_alone(engine, alone, stage) ->
         assert outs[rid]["ids"] == alone[rid], (stage, rid)
     s = core.scheduler
     assert not s.running and not s.waiting and not core._requests
-    assert s.num_leases == 0
+    assert core.scoring.leases.count == 0
     s.cache.check_invariants()
     # every page is free or held by the radix tree (none leaked to the failed request)
     assert s.pool.num_free + s.cache.cached_pages == s.pool.capacity, (stage, s.pool.num_free, s.cache.cached_pages)
@@ -159,7 +159,7 @@ def test_a_score_job_interleaves_with_decoding_and_gives_the_idle_values(engine,
     # the job was spread over many iterations, and the request kept its pace: as many iterations as alone
     assert job_done_at is not None and job_done_at >= 50, job_done_at
     assert finished_at == solo_steps, (finished_at, solo_steps)
-    assert core.scheduler.num_leases == 0
+    assert core.scoring.leases.count == 0
 
 
 def _steps_to_finish(core) -> int:
@@ -178,11 +178,11 @@ def test_a_cancelled_score_job_releases_its_pages_at_once(engine) -> None:
     free = pool.num_free
     ids, variants = _staircase(2000, seed=5)
     core.add_score_job("job-2", [ids], variants)
-    assert pool.num_free < free and core.scheduler.num_leases == 1  # the prefix is leased
+    assert pool.num_free < free and core.scoring.leases.count == 1  # the prefix is leased
     core.step()  # one chunk
     assert core.has_work()
     assert core.cancel_score("job-2") and not core.cancel_score("job-2")
-    assert core.scheduler.num_leases == 0 and not core.has_work() and not core.take_score_results()
+    assert core.scoring.leases.count == 0 and not core.has_work() and not core.take_score_results()
     assert pool.num_free + core.scheduler.cache.cached_pages == pool.capacity
 
 
@@ -199,7 +199,7 @@ def test_a_failing_score_job_ends_alone_with_an_error(engine, alone) -> None:
     assert len(res) == 1 and res[0].token == "bad-job" and res[0].status == 500 and res[0].results is None
     assert "injected fault" in res[0].message
     assert outs["ok-b"]["ids"] == alone["ok-b"]
-    assert core.scheduler.num_leases == 0
+    assert core.scoring.leases.count == 0
 
 
 # ---- through a live server -------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def test_exact_under_forced_preemption(tinies: TinyCache) -> None:
                            max_total_tokens=8 * B)
     try:
         got = small.generate(input_ids=prompts, sampling_params=params)
-        assert small.scheduler.num_preemptions > 0, "the cache was large enough: nothing was preempted"
+        assert small.core.scheduler.num_preemptions > 0, "the cache was large enough: nothing was preempted"
     finally:
         small.shutdown()
     # the same as the engine with room for everything (itself equal to the naive reference above; the naive

@@ -239,7 +239,7 @@ def test_engine_with_fused_moe_reproduces_torch_tokens(tiny):
     kw = dict(device=DEVICE, dtype="float32", progress=False, max_total_tokens=4096, disable_cuda_graph=True)
     ref = redraft.Engine(str(tiny), kernel_backend="torch", **kw)
     tri = redraft.Engine(str(tiny), kernel_backend="triton", **kw)
-    moes = [layer.mlp for layer in tri.model.layers if hasattr(layer.mlp, "impl")]
+    moes = [layer.mlp for layer in tri.core.model.layers if hasattr(layer.mlp, "impl")]
     assert moes and all(m.impl is moe_forward_triton for m in moes)
     calls = []
     for m in moes:

@@ -127,30 +127,30 @@ class FakeRunner:
                     out.m2t.append(0)
                     out.t2t.append(0)
                 continue
-            act = req.active_block
-            assert it.first == req.cached_blocks, "a window must start at the first block without exact K/V"
+            act = req.state.active_block
+            assert it.first == req.book.exact_blocks, "a window must start at the first block without exact K/V"
             assert 0 <= it.first <= it.last <= act
             assert it.decodes == (it.last == act)
-            assert len(req.pages) >= it.last + 1, f"{req.rid}: no page for block {it.last}"
-            assert all(pool.is_allocated(p) for p in req.pages[: it.last + 1]), f"{req.rid} reads a free page"
-            assert MASK not in req.tokens[: act * B], "blocks before the active one must be final"
+            assert len(req.book.pages) >= it.last + 1, f"{req.rid}: no page for block {it.last}"
+            assert all(pool.is_allocated(p) for p in req.book.pages[: it.last + 1]), f"{req.rid} reads a free page"
+            assert MASK not in req.state.tokens[: act * B], "blocks before the active one must be final"
             # K/V of the block before the window come from the cache and must be exact.
-            prev = KV_ROOT if it.first == 0 else self.kv.get(req.pages[it.first - 1])
-            assert prev == kv_chain(req.tokens, it.first), f"{req.rid}: stale or foreign K/V before block {it.first}"
+            prev = KV_ROOT if it.first == 0 else self.kv.get(req.book.pages[it.first - 1])
+            assert prev == kv_chain(req.state.tokens, it.first), f"{req.rid}: stale or foreign K/V before block {it.first}"
             if self.minimal_windows:
                 exact, kv = 0, KV_ROOT
                 while exact < act:
-                    kv = kv_of_block(kv, req.tokens[exact * B : (exact + 1) * B])
-                    if self.kv.get(req.pages[exact]) != kv:
+                    kv = kv_of_block(kv, req.state.tokens[exact * B : (exact + 1) * B])
+                    if self.kv.get(req.book.pages[exact]) != kv:
                         break
                     exact += 1
                 assert it.first == exact, f"{req.rid}: window starts at {it.first}, blocks < {exact} are exact"
             for j in range(it.first, it.last + 1):
-                assert j >= req.tree_blocks, f"{req.rid} would overwrite a tree-owned page (block {j})"
-                page = req.pages[j]
+                assert j >= req.book.tree_blocks, f"{req.rid} would overwrite a tree-owned page (block {j})"
+                page = req.book.pages[j]
                 assert page not in written, f"page {page} written by {written.get(page)} and {req.rid}"
                 written[page] = req.rid
-                blk = req.tokens[j * B : (j + 1) * B]
+                blk = req.state.tokens[j * B : (j + 1) * B]
                 if j == act:  # the active block: its proposals see the prefix K/V and its current tokens
                     start = act * B
                     editable = [start + i >= req.prompt_len for i in range(B)]
@@ -266,20 +266,20 @@ def check_accounting(sched: Scheduler) -> None:
     cache.check_invariants()
     owned: list[int] = []
     for r in sched.running:
-        assert r.status is Status.RUNNING and not r.finished
-        assert 0 <= r.tree_blocks <= r.cached_blocks <= r.active_block
-        assert len(r.pages) <= r.active_block + 1
-        assert r.tree_blocks == 0 or r.cache_node is not None
+        assert r.state.status is Status.RUNNING and not r.finished
+        assert 0 <= r.book.tree_blocks <= r.book.exact_blocks <= r.state.active_block
+        assert len(r.book.pages) <= r.state.active_block + 1
+        assert r.book.tree_blocks == 0 or r.book.cache_node is not None
         # the tree-owned head of the page table is exactly what the tree holds for those blocks
-        assert r.pages[: r.tree_blocks] == tree_pages(cache, r.tokens[: r.tree_blocks * B])
-        owned += r.pages[r.tree_blocks :]
+        assert r.book.pages[: r.book.tree_blocks] == tree_pages(cache, r.state.tokens[: r.book.tree_blocks * B])
+        owned += r.book.pages[r.book.tree_blocks :]
     assert len(owned) == len(set(owned)), "a page is owned by two running requests"
     tree = all_tree_pages(cache)
     assert not set(owned) & set(tree), "a request frees/owns a page the tree owns"
     assert all(pool.is_allocated(p) for p in owned)
     assert pool.num_free + cache.cached_pages + len(owned) == pool.capacity
     for r in sched.waiting:
-        assert r.status is Status.WAITING and r.pages == [] and r.cache_node is None and r.tree_blocks == 0
+        assert r.state.status is Status.WAITING and r.book.pages == [] and r.book.cache_node is None and r.book.tree_blocks == 0
 
 
 class Harness:
@@ -303,7 +303,7 @@ class Harness:
         preempt = self.sched._preempt
 
         def checked_preempt(req: Request) -> None:  # the newest running request goes first
-            assert req.arrival == max(r.arrival for r in self.sched.running)
+            assert req.book.arrival == max(r.book.arrival for r in self.sched.running)
             preempt(req)
 
         self.sched._preempt = checked_preempt  # type: ignore[method-assign]
@@ -313,11 +313,11 @@ class Harness:
             self.sched.add_request(r)
 
     def schedule(self) -> list[WorkItem]:
-        before = [(r, r.stats.blocks) for r in self.sched.running]
+        before = [(r, r.state.stats.blocks) for r in self.sched.running]
         items = self.sched.schedule()
         # Blocks that end in schedule() end before a forward: cut off by max_post_steps (stale K/V).
         for r, blocks in before:
-            r.cutoffs = getattr(r, "cutoffs", 0) + r.stats.blocks - blocks  # type: ignore[attr-defined]
+            r.cutoffs = getattr(r, "cutoffs", 0) + r.state.stats.blocks - blocks  # type: ignore[attr-defined]
         check_accounting(self.sched)
         for r in self.sched.running:
             if r.rid not in self.admitted:
@@ -349,7 +349,7 @@ class Harness:
         sched, pool, cache = self.sched, self.sched.pool, self.sched.cache
         assert not sched.running and not sched.waiting and not sched.has_work()
         for r in reqs:
-            assert r.finished and r.pages == [] and r.cache_node is None and r.tree_blocks == 0
+            assert r.finished and r.book.pages == [] and r.book.cache_node is None and r.book.tree_blocks == 0
         assert cache.protected_pages == 0
         assert pool.num_free + cache.cached_pages == pool.capacity
         assert sched.flush_cache() is True
@@ -359,11 +359,11 @@ class Harness:
 def assert_same_as_reference(req: Request, ref: Ref) -> None:
     assert req.finished
     assert req.output_ids() == ref.output, req.rid
-    assert req.finish_reason is not None and req.finish_reason.kind == ref.finish, req.rid
-    assert req.stats.steps == ref.steps, req.rid
-    assert req.stats.blocks == len(ref.block_steps), req.rid
+    assert req.state.finish_reason is not None and req.state.finish_reason.kind == ref.finish, req.rid
+    assert req.state.stats.steps == ref.steps, req.rid
+    assert req.state.stats.blocks == len(ref.block_steps), req.rid
     assert getattr(req, "cutoffs", 0) == sum(ref.block_stale), req.rid
-    assert (req.stats.m2t, req.stats.edits) == (ref.m2t, ref.t2t), req.rid
+    assert (req.state.stats.m2t, req.state.stats.edits) == (ref.m2t, ref.t2t), req.rid
 
 
 def workload(n: int, seed: int, max_total: int = 250) -> list[tuple[str, list[int], SamplingParams]]:
@@ -466,7 +466,7 @@ def test_stats_survive_preemption() -> None:
     assert h.sched.num_preemptions > 0
     for r in reqs:
         ref = REFS[r.rid]
-        assert (r.stats.steps, r.stats.m2t, r.stats.edits) == (ref.steps, ref.m2t, ref.t2t), r.rid
+        assert (r.state.stats.steps, r.state.stats.m2t, r.state.stats.edits) == (ref.steps, ref.m2t, ref.t2t), r.rid
 
 
 def test_no_page_held_twice_and_pool_balances_every_iteration() -> None:
@@ -476,10 +476,10 @@ def test_no_page_held_twice_and_pool_balances_every_iteration() -> None:
     h.add(*reqs)
     while h.sched.has_work():
         items = h.schedule()
-        tables = [it.req.pages[: it.last + 1] for it in items]
+        tables = [it.req.book.pages[: it.last + 1] for it in items]
         for it in items:  # every block of a window has its own page
-            assert len(set(it.req.pages)) == len(it.req.pages)
-        owned = [p for it in items for p in it.req.pages[it.req.tree_blocks :]]
+            assert len(set(it.req.book.pages)) == len(it.req.book.pages)
+        owned = [p for it in items for p in it.req.book.pages[it.req.book.tree_blocks :]]
         assert len(owned) == len(set(owned))
         assert all(len(t) == it.last + 1 for t, it in zip(tables, items))
         h.finish_step(items)
@@ -496,7 +496,7 @@ def test_flush_cache_refused_while_a_request_reads_the_tree() -> None:
     b = make_req("b", prompt, sparams(max_new_tokens=64))
     h.add(b)
     h.step()
-    assert b.prefix_cached_tokens == 96 and b.tree_blocks >= 3
+    assert b.book.prefix_cached_tokens == 96 and b.book.tree_blocks >= 3
     used = h.sched.pool.num_free
     assert h.sched.flush_cache() is False
     assert h.sched.pool.num_free == used
@@ -514,14 +514,14 @@ def test_prefix_cache_reuses_prompt_then_generated_blocks() -> None:
     a = make_req("a", prompt, sp)
     h.add(a)
     h.run_all()
-    assert a.prefix_cached_tokens == 0
+    assert a.book.prefix_cached_tokens == 0
     assert_same_as_reference(a, ref)
 
     b = make_req("b", prompt, sp)
     h.add(b)
     h.step()
-    assert b.prefix_cached_tokens == 96  # 3 whole prompt blocks; the partial 4th is never shared
-    assert b.cached_blocks == 3 and b.pages[:3] == tree_pages(h.sched.cache, prompt)
+    assert b.book.prefix_cached_tokens == 96  # 3 whole prompt blocks; the partial 4th is never shared
+    assert b.book.exact_blocks == 3 and b.book.pages[:3] == tree_pages(h.sched.cache, prompt)
     h.run_all()
     assert_same_as_reference(b, ref)
 
@@ -533,7 +533,7 @@ def test_prefix_cache_reuses_prompt_then_generated_blocks() -> None:
     h.step()
     # blocks 3..5 hold generated tokens; a block cut off by max_post_steps at the very end has stale K/V
     expected_blocks = 6 - (1 if ref.block_stale[-1] else 0)
-    assert c.prefix_cached_tokens == expected_blocks * B > 3 * B
+    assert c.book.prefix_cached_tokens == expected_blocks * B > 3 * B
     h.run_all()
     assert_same_as_reference(c, reference(turn2, sp2))
     h.assert_drained([a, b, c])
@@ -552,8 +552,8 @@ def test_prefix_cache_hit_when_first_request_still_running() -> None:
     b = make_req("b", prompt, sp)
     h.add(b)
     h.step()
-    assert b.prefix_cached_tokens == 96
-    assert b.pages[:3] == a.pages[:3]  # the very same pages, read by both
+    assert b.book.prefix_cached_tokens == 96
+    assert b.book.pages[:3] == a.book.pages[:3]  # the very same pages, read by both
     h.run_all()
     ref = reference(prompt, sp)
     assert_same_as_reference(a, ref)
@@ -601,7 +601,7 @@ def test_prefill_budget_chunks_a_long_prompt_while_others_keep_decoding() -> Non
     # the decoding window may carry one uncached block beyond the budget (the same allowance a stale block gets)
     assert (last - first) * B <= 64 + B
     assert chunks == [(0, 1, False), (2, 3, False), (4, 5, False), (6, 9, True)]
-    assert r.stats.steps == 1
+    assert r.state.stats.steps == 1
     h.run_all()
     for q in (d1, d2, r):
         assert_same_as_reference(q, reference(q.prompt_ids, q.params))
@@ -643,7 +643,7 @@ def test_lpm_admits_longest_cached_prefix_first(policy: str) -> None:
         assert h.admitted == ["c", "b", "a"]
     else:
         assert h.admitted == ["a", "b", "c"]
-    assert (a.prefix_cached_tokens, b.prefix_cached_tokens, c.prefix_cached_tokens) == (0, 32, 128)
+    assert (a.book.prefix_cached_tokens, b.book.prefix_cached_tokens, c.book.prefix_cached_tokens) == (0, 32, 128)
     for r in (a, b, c):
         assert_same_as_reference(r, reference(r.prompt_ids, sp))
     h.assert_drained([seed, a, b, c])
@@ -683,14 +683,14 @@ def test_queue_full_and_request_too_large() -> None:
 
 
 def _assert_aborted(h: Harness, req: Request) -> None:
-    assert req.finished and req.finish_reason is not None and req.finish_reason.kind == "abort"
-    assert req.pages == [] and req.cache_node is None
+    assert req.finished and req.state.finish_reason is not None and req.state.finish_reason.kind == "abort"
+    assert req.book.pages == [] and req.book.cache_node is None
     assert req not in h.sched.running and req not in h.sched.waiting
     check_accounting(h.sched)
     free, cached = h.sched.pool.num_free, h.sched.cache.cached_pages
     assert h.sched.abort(req.rid) is False  # idempotent
     assert (h.sched.pool.num_free, h.sched.cache.cached_pages) == (free, cached)
-    assert req.finish_reason.kind == "abort"
+    assert req.state.finish_reason.kind == "abort"
 
 
 def test_abort_at_every_stage() -> None:
@@ -716,20 +716,20 @@ def test_abort_at_every_stage() -> None:
     a1 = make_req("a1", [rng.randrange(LO, HI) for _ in range(200)], sparams(max_new_tokens=64))
     h.add(a1)
     items = h.schedule()
-    assert a1 in h.sched.running and a1.stats.steps == 0
+    assert a1 in h.sched.running and a1.state.stats.steps == 0
     assert any(it.req is a1 for it in items)
     used_before = h.sched.pool.num_used
     assert h.sched.abort("a1") is True
     assert h.sched.pool.num_used < used_before
     h.finish_step(items)
     _assert_aborted(h, a1)
-    assert a1.stats.steps == 0
+    assert a1.state.stats.steps == 0
 
     # 3. admitted and partly prefilled (in chunks), still no denoising step, aborted between iterations
     a2 = make_req("a2", [rng.randrange(LO, HI) for _ in range(260)], sparams(max_new_tokens=64))
     h.add(a2)
     h.step()
-    assert a2 in h.sched.running and a2.stats.steps == 0 and 0 < a2.cached_blocks < a2.active_block
+    assert a2 in h.sched.running and a2.state.stats.steps == 0 and 0 < a2.book.exact_blocks < a2.state.active_block
     assert h.sched.abort("a2") is True
     _assert_aborted(h, a2)
 
@@ -746,7 +746,7 @@ def test_abort_at_every_stage() -> None:
     # 5. mid-block: some steps done, masks left in the active block
     m = make_req("m", [rng.randrange(LO, HI) for _ in range(33)], sparams(max_new_tokens=90, threshold=0.99))
     h.add(m)
-    while not (m.stats.steps >= 2 and MASK in m.active_tokens() and m in h.sched.running):
+    while not (m.state.stats.steps >= 2 and MASK in m.active_tokens() and m in h.sched.running):
         h.step()
         assert not m.finished and h.iterations < 500
     assert h.sched.abort("m") is True
@@ -755,9 +755,9 @@ def test_abort_at_every_stage() -> None:
     # 6. after it finished on its own: abort changes nothing
     while not f1.finished:
         h.step()
-    out, reason = f1.output_ids(), f1.finish_reason
+    out, reason = f1.output_ids(), f1.state.finish_reason
     assert h.sched.abort("f1") is False
-    assert f1.output_ids() == out and f1.finish_reason is reason
+    assert f1.output_ids() == out and f1.state.finish_reason is reason
     assert h.sched.abort("no-such-request") is False
 
     h.run_all()
@@ -788,16 +788,16 @@ def test_abort_with_a_reason_ends_a_request_where_told() -> None:
     s = make_req("stopme", [rng.randrange(LO, HI) for _ in range(20)], sp)
     o = make_req("other", [rng.randrange(LO, HI) for _ in range(20)], sp)
     h.add(s, o)
-    while s.stats.blocks < 3:  # block 0 ends with 12 generated tokens, block 1 with 44, block 2 with 76
+    while s.state.stats.blocks < 3:  # block 0 ends with 12 generated tokens, block 1 with 44, block 2 with 76
         h.step()
     ref = reference(s.prompt_ids, sp)
     assert h.sched.abort("stopme", FinishReason("stop", matched="</s>"), keep_tokens=50)
     assert not h.sched.abort("stopme")  # idempotent
     h.run_all()
-    assert s.finish_reason == FinishReason("stop", matched="</s>")
-    assert s.stats.blocks == 3
+    assert s.state.finish_reason == FinishReason("stop", matched="</s>")
+    assert s.state.stats.blocks == 3
     assert s.output_ids() == ref.tokens[20 : 20 + 50]
-    assert s.stats.steps == ref.block_steps[2]
+    assert s.state.stats.steps == ref.block_steps[2]
     assert_same_as_reference(o, reference(o.prompt_ids, sp))
     h.assert_drained([s, o])
 
@@ -820,7 +820,7 @@ def test_stop_token_ids_end_a_request_at_their_block() -> None:
     h.add(r, o)
     h.run_all()
     assert_same_as_reference(r, ref)
-    assert r.finish_reason.matched == tok
+    assert r.state.finish_reason.matched == tok
     assert_same_as_reference(o, free_run)
     h.assert_drained([r, o])
 
@@ -848,13 +848,13 @@ def test_max_new_tokens_cuts_inside_the_last_block() -> None:
     r3 = make_req("r3", p1, sparams(max_new_tokens=40, mode="Q", ignore_eos=True))
     h.add(r1, r2, r3)
     h.run_all()
-    assert r1.finish_reason.kind == "length" and len(r1.output_ids()) == 40
-    assert len(r1.tokens) == 64 and MASK not in r1.tokens  # the whole last block was decoded
+    assert r1.state.finish_reason.kind == "length" and len(r1.output_ids()) == 40
+    assert len(r1.state.tokens) == 64 and MASK not in r1.state.tokens  # the whole last block was decoded
     assert_same_as_reference(r1, ref1)
-    assert r2.finish_reason == FinishReason("stop", matched=EOS) and r2.output_ids()[-1] == EOS
+    assert r2.state.finish_reason == FinishReason("stop", matched=EOS) and r2.output_ids()[-1] == EOS
     assert len(r2.output_ids()) < 40
     assert_same_as_reference(r2, ref2)
-    assert r3.output_ids() == r1.output_ids() and r3.finish_reason.kind == "length"
+    assert r3.output_ids() == r1.output_ids() and r3.state.finish_reason.kind == "length"
     h.assert_drained([r1, r2, r3])
 
 
@@ -871,3 +871,27 @@ def test_one_token_and_one_block_requests() -> None:
         assert_same_as_reference(r, reference(r.prompt_ids, r.params))
         assert len(r.output_ids()) <= r.params.max_new_tokens
     h.assert_drained(cases)
+
+
+
+def test_recompute_prefix_starts_every_query_at_block_zero() -> None:
+    """The benchmark baseline (SchedulerConfig.recompute_prefix): no K/V is reused, not even a request's own
+    earlier blocks, and nothing enters the tree; the output is unchanged."""
+    sched = Scheduler(SchedulerConfig(num_pages=100, block_size=B, recompute_prefix=True))
+    req = make_req("a", list(range(LO, LO + 70)), sparams(max_new_tokens=70, ignore_eos=True))
+    sched.add_request(req)
+    firsts = []
+    while sched.has_work():
+        items = sched.schedule()
+        firsts += [it.first for it in items]
+        out = StepOutput()
+        for it in items:
+            if it.decodes:
+                window = it.req.window_tokens()
+                out.tokens.append([LO if t == MASK else t for t in window])
+                out.had_mask.append(MASK in window)
+                out.m2t.append(window.count(MASK))
+                out.t2t.append(0)
+        sched.update(items, out)
+    assert firsts and set(firsts) == {0}
+    assert req.output_ids() == [LO] * 70 and req.book.prefix_cached_tokens == 0 and sched.cache.cached_pages == 0

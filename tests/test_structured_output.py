@@ -402,8 +402,9 @@ def test_engine_constrained_output_survives_preemption_and_mbe(ckpt: Path, tok, 
     preempt = Request.preempt
 
     def spy(req: Request) -> None:
-        if req.constraint is not None and not req.constraint.done:
-            mid_block.append(req.constraint.frontier > req.active_block * B)
+        c = req.state.constraint
+        if c is not None and not c.done:
+            mid_block.append(c.frontier > req.state.active_block * B)
         preempt(req)
 
     monkeypatch.setattr(Request, "preempt", spy)
@@ -426,5 +427,5 @@ def test_nothing_past_the_frontier_is_streamed(engine, tok) -> None:
         while core.has_work():
             for out in core.step():
                 sent += len(out.new_ids)
-                c = req.constraint
+                c = req.state.constraint
                 assert c.done or req.prompt_len + sent <= c.frontier

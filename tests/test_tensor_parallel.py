@@ -34,20 +34,20 @@ def test_two_ranks_give_the_single_process_tokens(ckpt, single, ep):
     eng = redraft.Engine(str(ckpt), dtype="float64", progress=False, tp_size=2, ep_size=ep)
     try:
         cfg = eng.model_config
-        attn = eng.model.layers[0].attn
+        attn = eng.core.model.layers[0].attn
         assert (attn.n_q, attn.n_kv) == (cfg.num_attention_heads // 2, cfg.num_key_value_heads // 2)
-        assert eng.runner.k_cache.shape[3] == cfg.num_key_value_heads // 2  # rank 0 caches only its KV heads
-        moe = eng.model.layers[1].mlp
+        assert eng.core.runner.k_cache.shape[3] == cfg.num_key_value_heads // 2  # rank 0 caches only its KV heads
+        moe = eng.core.model.layers[1].mlp
         assert moe.w13.shape[0] == (cfg.num_experts // 2 if ep == 2 else cfg.num_experts)
-        assert eng.model.lm_head.weight.shape[0] == eng.model.embed.weight.shape[0] == cfg.vocab_size // 2
+        assert eng.core.model.lm_head.weight.shape[0] == eng.core.model.embed.weight.shape[0] == cfg.vocab_size // 2
         from redraft.engine.tensor_parallel import weight_bytes
 
         with redraft.Engine(str(ckpt), dtype="float64", progress=False) as whole:
-            full = weight_bytes(whole.model)
+            full = weight_bytes(whole.core.model)
             # likelihood forwards (their own rows of the vocabulary-parallel lm_head): the same values
             scored = [(PROMPTS[0], PROMPTS[1][:20]), (PROMPTS[2], PROMPTS[3][:40])]
             want_lp, want_score = whole.prompt_logprobs(PROMPTS[3], top_k=3), whole.score(scored)
-        assert 0.4 * full < weight_bytes(eng.model) < 0.75 * full  # a shard, with the replicated parts
+        assert 0.4 * full < weight_bytes(eng.core.model) < 0.75 * full  # a shard, with the replicated parts
         got_lp = eng.prompt_logprobs(PROMPTS[3], top_k=3)
         assert len(got_lp) == len(want_lp) and all(len(alt) == 3 for _, alt in got_lp[1:])
         for g, w in zip(got_lp[1:], want_lp[1:]):
@@ -97,7 +97,7 @@ def test_a_vocabulary_the_ranks_cannot_split_is_replicated(tiny_checkpoint):
     with redraft.Engine(str(path), dtype="float64", progress=False) as one:
         want = one.generate(input_ids=PROMPTS[:2], sampling_params=PARAMS[:2])
     with redraft.Engine(str(path), dtype="float64", progress=False, tp_size=2) as two:
-        assert two.model.lm_head.weight.shape[0] == two.model.embed.weight.shape[0] == 449
+        assert two.core.model.lm_head.weight.shape[0] == two.core.model.embed.weight.shape[0] == 449
         got = two.generate(input_ids=PROMPTS[:2], sampling_params=PARAMS[:2])
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
 
@@ -175,7 +175,7 @@ def test_fp8_two_ranks_give_the_single_process_tokens(fp8_checkpoint, ep):
     """FP8 weights shard with their block scales (each rank quantises only its slices): the same tokens."""
     path, params, want = fp8_checkpoint
     with redraft.Engine(str(path), dtype="float64", quantization="fp8", progress=False, tp_size=2, ep_size=ep) as two:
-        assert two.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn
+        assert two.core.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn
         got = two.generate(input_ids=PROMPTS, sampling_params=params)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert len({t for o in want for t in o["output_ids"]}) > 5
@@ -198,7 +198,7 @@ def test_four_ranks_on_two_kv_heads_give_the_single_process_tokens(ckpt, single)
     """More ranks than KV heads: each KV head is kept (and cached) by the two ranks whose query heads read it
     (LLaDA2.1's 4 KV heads on 8 GPUs); ep 4 places 2 of the tiny model's 8 experts on each rank."""
     with redraft.Engine(str(ckpt), dtype="float64", progress=False, tp_size=4, ep_size=4) as eng:
-        assert eng.runner.k_cache.shape[3] == 1
+        assert eng.core.runner.k_cache.shape[3] == 1
         got = eng.generate(input_ids=PROMPTS[1:3], sampling_params=PARAMS[1:3])  # Q, and S with an MBE window
     for k, (a, b) in enumerate(zip(single[1:3], got)):
         assert (b["output_ids"], b["meta_info"]["steps"]) == (a["output_ids"], a["meta_info"]["steps"]), k
