@@ -54,6 +54,7 @@ class _Progress:
 
     enqueued: float
     queue_time: float | None = None
+    first_forward: int | None = None  # the engine's forward count when it first ran (equal for one batch's)
     sent_tokens: int = 0
 
 
@@ -90,6 +91,32 @@ class EngineCore:
     # ---- admission: the one place a request is checked and its defaults resolved ----------------------
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Accepted:
         """Validate, resolve and queue one request; RequestError says why not."""
+        return self.add_requests([(rid, input_ids, params)])[0]
+
+    def add_requests(self, batch: list[tuple[str, list[int], SamplingParams]]) -> list[Accepted]:
+        """Validate, resolve and queue the engine requests of one HTTP request (its choices, its prompts) together:
+        all or none (the RequestError of the first refusal), and all before the next forward, so they are
+        scheduled in the same iteration when the batch has room."""
+        seen: set[str] = set()
+        for rid, _, _ in batch:
+            if rid in seen:
+                raise duplicate_request_id(rid, param="rid")
+            seen.add(rid)
+        reqs = [self._prepare(rid, ids, params) for rid, ids, params in batch]
+        try:
+            self.scheduler.add_requests(reqs)
+        except QueueFull as exc:
+            raise RequestError(str(exc), status=503, code="queue_full") from exc
+        except RequestTooLarge as exc:
+            raise RequestError(str(exc), param="max_new_tokens") from exc
+        now = time.monotonic()
+        for req in reqs:
+            self._requests[req.rid] = req
+            self._progress[req.rid] = _Progress(now)
+        return [Accepted(req.rid, req.params.mode, req.params.max_new_tokens) for req in reqs]
+
+    def _prepare(self, rid: str, input_ids: list[int], params: SamplingParams) -> Request:
+        """One request checked and resolved (not queued yet); RequestError says why not."""
         self.faults.check("admit", rid)
         ids = list(input_ids)
         if not ids:
@@ -127,17 +154,8 @@ class EngineCore:
         if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
             resolved = replace(resolved, seed=self._seeds.getrandbits(62))
         constraint = self._constraint(rid, len(ids), resolved) if resolved.grammar is not None else None
-        req = Request(rid, ids, resolved, mask_id, self.tokenizer.eos_token_id, trace_edits=self.args.trace_edits,
-                      constraint=constraint)
-        try:
-            self.scheduler.add_request(req)
-        except QueueFull as exc:
-            raise RequestError(str(exc), status=503, code="queue_full") from exc
-        except RequestTooLarge as exc:
-            raise RequestError(str(exc), param="max_new_tokens") from exc
-        self._requests[rid] = req
-        self._progress[rid] = _Progress(time.monotonic())
-        return Accepted(rid, resolved.mode, resolved.max_new_tokens)
+        return Request(rid, ids, resolved, mask_id, self.tokenizer.eos_token_id, trace_edits=self.args.trace_edits,
+                       constraint=constraint)
 
     def _constraint(self, rid: str, prompt_len: int, params: ResolvedParams) -> Constraint:
         """The grammar state of a constrained request; RequestError naming the field when it does not compile."""
@@ -198,7 +216,7 @@ class EngineCore:
             for it in items:  # a request's first batch ends its time in the queue
                 t = self._progress.get(it.req.rid)
                 if t is not None and t.queue_time is None:
-                    t.queue_time = now - t.enqueued
+                    t.queue_time, t.first_forward = now - t.enqueued, self.num_forwards
             for part, out in self._run_isolating(items):
                 for rid, (stage, exc) in out.failed.items():
                     self.fail(rid, exc, stage)
@@ -300,6 +318,7 @@ class EngineCore:
             "mbe_window": req.params.mbe_window,
             "domain": req.params.domain,
             "queue_time": timing.queue_time if timing else None,
+            "first_forward": timing.first_forward if timing else None,
             "e2e_latency": time.monotonic() - timing.enqueued if timing else None,
         }
         if req.state.edit_trace is not None:

@@ -126,6 +126,20 @@ def joint_threshold_step(
     if not mask_excluded:
         logits = exclude_mask_(logits.clone(), mask_id)
     v, p = propose(logits, sampling)
+    return threshold_step(v, p, block, editable, threshold, edit_threshold, mask_id)
+
+
+def threshold_step(
+    v: torch.Tensor,  # [N, L] the proposal at every position
+    p: torch.Tensor,  # [N, L] its probability
+    block: torch.Tensor,  # [N, L] current tokens of each open window
+    editable: torch.Tensor,  # [N, L] bool
+    threshold: torch.Tensor,  # [N]
+    edit_threshold: torch.Tensor,  # [N]
+    mask_id: int,
+) -> StepResult:
+    """M2T (with the top-1 fallback) and T2T from the proposals alone: what `joint_threshold_step` does after
+    `propose`, and all a greedy row needs (the model runner gets v and p without full logits for those)."""
     masked = (block == mask_id) & editable  # [N, L]
     m2t = masked & (p > threshold[:, None].to(p.dtype))
     # Top-1 fallback: a row with masks but no position above threshold fills its most confident mask.

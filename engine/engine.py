@@ -99,9 +99,9 @@ class Engine:
         core = self.core
         streams: dict[str, OutputStream] = {}
         try:
-            for ids, p in zip(id_lists, params):  # all or nothing: a rejected prompt aborts the others
-                rid = uuid.uuid4().hex
-                core.add_request(rid, ids, p)
+            rids = [uuid.uuid4().hex for _ in id_lists]
+            core.add_requests(list(zip(rids, id_lists, params)))  # all or nothing, scheduled side by side
+            for rid, p in zip(rids, params):
                 streams[rid] = OutputStream(rid, self.tokenizer, p.stop, p.no_stop_trim, p.skip_special_tokens)
             t0 = time.perf_counter()
             pending = set(streams)

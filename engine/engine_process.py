@@ -20,7 +20,7 @@ import zmq
 from redraft.engine.child_process import end_children, parent_alive, shield_from_group_signals
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import (
-    AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong, Rejected,
+    AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq, PingReq, Pong, Rejected,
     ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
 )
 from redraft.protocol.server_args import ServerArgs
@@ -85,16 +85,20 @@ class EngineLoop:
                 log.warning("parent process is gone: exiting")
                 return
             self._drain_messages(block_ms=0 if self.core.has_work() else 100)
+            self._flush()  # admissions are answered now, not after the forward
             # A failure of one request ends that request (an error finish) inside step; what escapes is the
             # engine's own fault, and ends this process.
             for out in self.core.step():
                 self._tokens_since_log += len(out.new_ids)
                 self.outbox.append(out)
             self.outbox.extend(self.core.take_score_results())
-            if self.outbox:
-                self.send.send_pyobj(self.outbox)
-                self.outbox = []
+            self._flush()
             self._maybe_log()
+
+    def _flush(self) -> None:
+        if self.outbox:
+            self.send.send_pyobj(self.outbox)
+            self.outbox = []
 
     def _drain_messages(self, block_ms: int) -> None:
         if block_ms and not self.poller.poll(block_ms):
@@ -117,17 +121,19 @@ class EngineLoop:
         log.error("handling %s %s failed: %s", type(msg).__name__, name, describe(exc))
         log.debug("handling %s %s failed", type(msg).__name__, name, exc_info=True)
         text = f"internal error: {describe(exc)}"
-        if isinstance(msg, GenerateReq):
-            self.outbox.append(Rejected(msg.rid, 500, text, "internal_error"))
+        if isinstance(msg, (GenerateReq, GenerateBatchReq)):
+            for req in msg.reqs if isinstance(msg, GenerateBatchReq) else [msg]:
+                self.outbox.append(Rejected(req.rid, 500, text, "internal_error"))
         elif isinstance(msg, ScoreReq):
             self.outbox.append(ScoreResult(msg.token, None, 500, text, "internal_error"))
 
     def _handle(self, msg: Any) -> None:
-        if isinstance(msg, GenerateReq):
-            try:
-                self.outbox.append(self.core.add_request(msg.rid, msg.input_ids, msg.params))
+        if isinstance(msg, (GenerateReq, GenerateBatchReq)):
+            reqs = msg.reqs if isinstance(msg, GenerateBatchReq) else [msg]
+            try:  # all or none; every answer goes out before the next forward (run: `_flush`)
+                self.outbox.extend(self.core.add_requests([(r.rid, r.input_ids, r.params) for r in reqs]))
             except RequestError as exc:
-                self.outbox.append(Rejected.of(msg.rid, exc))
+                self.outbox.extend(Rejected.of(r.rid, exc) for r in reqs)
         elif isinstance(msg, AbortReq):
             self.core.abort(msg.rid, msg.finish, msg.keep_tokens)
         elif isinstance(msg, ScoreReq):  # a job: advanced one chunk per iteration (core.step), its result later

@@ -21,11 +21,12 @@ import torch
 
 from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
-from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, joint_threshold_step
+from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, joint_threshold_step, threshold_step
 from redraft.engine.faults import NO_FAULTS, FaultInjector
 from redraft.engine.logit_controls import LogitControls
 from redraft.engine.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
+from redraft.kernels.vocab_top1 import Top1, lm_head_top1_torch
 from redraft.protocol.sampling_params import BLOCK_SIZE, MAX_MBE_WINDOW
 from redraft.scheduler.request import Request
 from redraft.scheduler.scheduler import StepOutput, WorkItem
@@ -67,6 +68,28 @@ def build_forward_batch(items: list[WorkItem], block_size: int) -> ForwardBatch:
         windows.append(it.req.state.window_start * block_size if it.decodes else end)
         ids.extend(it.req.state.tokens[start:end])
     return ForwardBatch(torch.tensor(ids, dtype=torch.long), q_starts, q_lens, tables, windows)
+
+
+def needs_distribution(r: Request) -> bool:
+    """Whether a request's step reads more of the distribution than each position's argmax and its probability:
+    sampling, logprobs, a grammar's candidates, logit controls (penalties, logit_bias, min_tokens)."""
+    p = r.params
+    return p.temperature > 0 or p.wants_logprobs or p.has_logit_controls or r.state.constraint is not None
+
+
+def merge_outputs(parts: list[tuple[list[int], StepOutput]], n: int) -> StepOutput:
+    """StepOutputs of disjoint subsets of a batch's rows (the request indices of each) as one, in row order."""
+    out = StepOutput(tokens=[[]] * n, had_mask=[False] * n, m2t=[0] * n, t2t=[0] * n, mbe_edits=[0] * n,
+                     logprobs=[None] * n, top_logprobs=[None] * n)
+    for rows, part in parts:
+        for j, i in enumerate(rows):
+            out.tokens[i], out.had_mask[i], out.m2t[i] = part.tokens[j], part.had_mask[j], part.m2t[j]
+            out.t2t[i], out.mbe_edits[i] = part.t2t[j], part.mbe_edits[j]
+            if part.logprobs:
+                out.logprobs[i], out.top_logprobs[i] = part.logprobs[j], part.top_logprobs[j]
+    if all(lp is None for lp in out.logprobs):
+        out.logprobs, out.top_logprobs = [], []
+    return out
 
 
 class SlotState:
@@ -155,6 +178,9 @@ class ModelRunner:
             num_pages, BLOCK_SIZE, 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
         )
         self.graphs = None  # DecodeGraphs when the denoising step runs as CUDA graphs
+        # Greedy rows decide from vocabulary chunks, without [L, V] logits (off: a vocabulary-parallel lm_head,
+        # whose ranks each hold a slice of the vocabulary).
+        self.vocab_reduce = True
         self.grammar_seconds = 0.0  # host time in structured output's sweeps (engine/constrained.py), in total
         self._bit_index = torch.arange(8, dtype=torch.uint8, device=self.device)
         self.graph_error: str | None = None  # why capture failed (the step then runs eagerly)
@@ -190,13 +216,57 @@ class ModelRunner:
         batch = build_forward_batch(items, self.block_size)
         if self.graphs is not None and self.graphs.can_run(items):
             logits = self.graphs.run(batch)  # [N, B, V]: every item decodes its one active block
-            decoding = list(range(len(items)))
+            out = self._decide(logits, [it.req for it in items], failed)
         else:
-            logits, decoding = self._forward_eager(items, batch)
+            hidden, rows, decoding = self._forward_eager(items, batch)
             if not decoding:
                 return StepOutput(failed=failed)
-        exclude_mask_(logits, self.mask_id)  # our scratch: the step and the logprobs both read it this way
-        reqs = [items[i].req for i in decoding]
+            out = self._decide_from_hidden(hidden, rows, [items[i].req for i in decoding], failed)
+        out.failed = failed
+        return out
+
+    def _decide_from_hidden(self, hidden: torch.Tensor, rows: torch.Tensor, reqs: list[Request],
+                            failed: dict[str, tuple[str, BaseException]]) -> StepOutput:
+        """The step for rows [N, L] of the forward's hidden states. A request that needs nothing but each position's
+        argmax and its probability (`needs_distribution` false) gets them from the lm_head in vocabulary chunks
+        (kernels/vocab_top1.py: no [L, V] logits); the others get full logits, as before."""
+        quick = [i for i, r in enumerate(reqs) if self.vocab_reduce and not needs_distribution(r)]
+        if not quick:
+            return self._decide(self.model.logits(hidden, rows), reqs, failed)  # [N, L, V]
+        quick_set = set(quick)
+        full = [i for i in range(len(reqs)) if i not in quick_set]
+        parts = [(quick, self._decide_top1(hidden, rows[quick], [reqs[i] for i in quick]))]
+        if full:
+            logits = self.model.logits(hidden, rows[full])  # [n_full, L, V]
+            parts.append((full, self._decide(logits, [reqs[i] for i in full], failed)))
+        return merge_outputs(parts, len(reqs))
+
+    def _decide_top1(self, hidden: torch.Tensor, rows: torch.Tensor, reqs: list[Request]) -> StepOutput:
+        n, width = rows.shape
+        top = self.top1(hidden[rows.reshape(-1)])  # [n * L]
+        s, slots = self.slots, self.slots.slot_ids(reqs)
+        result = threshold_step(top.ids.view(n, width), top.prob.view(n, width), s.tokens[slots, :width],
+                                s.editable[slots, :width], s.threshold[slots], s.edit_threshold[slots], self.mask_id)
+        s.tokens[slots, :width] = result.tokens  # the window after this step: next step's input
+        s.steps[slots] += 1
+        return self._step_output(result, [r.window_size * self.block_size for r in reqs])
+
+    def top1(self, hidden: torch.Tensor) -> Top1:
+        """Each row's best token (MASK excluded, lowest id on ties) and its probability, from [R, H] hidden states.
+        Compiled Triton on CUDA (one fused lm_head + reduction); the chunked torch path elsewhere, whose ids are
+        the full logits' (the Triton kernel accumulates in another order: see kernels/vocab_top1_triton.py)."""
+        weight = self.model.lm_head.weight  # [V, H]
+        if self.device.type == "cuda" and self.model.kernel_backend == "triton" and hidden.dtype != torch.float64:
+            from redraft.kernels.vocab_top1_triton import lm_head_top1_triton  # imports triton lazily
+
+            return lm_head_top1_triton(hidden, weight, self.mask_id).combine()
+        return lm_head_top1_torch(hidden, weight, self.mask_id).combine()
+
+    def _decide(self, logits: torch.Tensor, reqs: list[Request],
+                failed: dict[str, tuple[str, BaseException]]) -> StepOutput:
+        """The step on full logits [N, L, V] (>= fp32, a scratch of ours): logit controls, the step, structured
+        output's sweep, logprobs."""
+        exclude_mask_(logits, self.mask_id)  # the step and the logprobs both read it this way
         slots = self.slots.slot_ids(reqs)  # [N]
         lens = [r.window_size * self.block_size for r in reqs]  # each window's positions
         if any(r.params.has_logit_controls for r in reqs):
@@ -209,21 +279,25 @@ class ModelRunner:
         result = self._step(logits, slots, reqs)
         if constrained:
             self._constrain(logits, slots, reqs, constrained, before, result, lens, failed)
-        # T2T edits in blocks before the active one (the last block of each window): multi-block edits
-        before_active = torch.arange(logits.shape[1], device=self.device)[None, :] < \
-            torch.tensor(lens, device=self.device)[:, None] - self.block_size
-        out = StepOutput(
-            tokens=[row[:n] for row, n in zip(result.tokens.tolist(), lens)],
-            had_mask=result.had_mask.tolist(),
-            m2t=result.m2t.sum(-1).tolist(),
-            t2t=result.t2t.sum(-1).tolist(),
-            mbe_edits=(result.t2t & before_active).sum(-1).tolist(),
-        )
+        out = self._step_output(result, lens)
         wants = [r.params.wants_logprobs for r in reqs]
         if any(wants):
             self._logprobs(logits, result.tokens, reqs, wants, lens, out)
-        out.failed = failed
         return out
+
+    def _step_output(self, result: StepResult, lens: list[int]) -> StepOutput:
+        """The step's result as plain lists, read from the device in one transfer: per row the window's tokens,
+        then had_mask, the M2T and T2T counts and the multi-block edits ([N, L + 4] int64)."""
+        width = result.tokens.shape[1]
+        # T2T edits in blocks before the active one (the last block of each window): multi-block edits
+        before_active = torch.arange(width, device=self.device)[None, :] < \
+            torch.tensor(lens, device=self.device)[:, None] - self.block_size
+        packed = torch.cat([result.tokens, result.had_mask[:, None], result.m2t.sum(-1, keepdim=True),
+                            result.t2t.sum(-1, keepdim=True), (result.t2t & before_active).sum(-1, keepdim=True)],
+                           dim=1).tolist()  # [N, L + 4]: the one device -> host read
+        return StepOutput(tokens=[row[:n] for row, n in zip(packed, lens)],
+                          had_mask=[bool(row[width]) for row in packed], m2t=[row[width + 1] for row in packed],
+                          t2t=[row[width + 2] for row in packed], mbe_edits=[row[width + 3] for row in packed])
 
     def _guard(self, failed: dict[str, tuple[str, BaseException]], req: Request, stage: str, fn, *args) -> None:
         """One request's share of a stage; an exception is recorded as that request's failure (EngineCore logs
@@ -246,9 +320,11 @@ class ModelRunner:
     def _controls(self, logits: torch.Tensor, window: torch.Tensor, i: int, r: Request) -> None:
         self.controls.apply(logits[i : i + 1], [r], window[i : i + 1], self.mask_id)
 
-    def _forward_eager(self, items: list[WorkItem], batch: ForwardBatch) -> tuple[torch.Tensor | None, list[int]]:
-        """Any batch; logits [N, L, V] of the decoding items' open windows (L: the longest; shorter windows
-        repeat their last row in the padding, which the step never reads)."""
+    def _forward_eager(self, items: list[WorkItem], batch: ForwardBatch
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Any batch: the hidden states [T, H], the rows [N, L] of the decoding items' open windows in them (L: the
+        longest; shorter windows repeat their last row in the padding, which the step never reads), and which
+        items decode."""
         b = self.block_size
         meta = AttentionMetadata.build(batch.q_starts, batch.q_lens, batch.page_tables, b, self.device,
                                        with_torch_plan=self.model.kernel_backend == "torch",
@@ -256,13 +332,12 @@ class ModelRunner:
         hidden = self.model(batch.input_ids.to(self.device), meta, self.k_cache, self.v_cache)  # [T, H]
         decoding = [i for i, it in enumerate(items) if it.decodes]
         if not decoding:
-            return None, decoding
+            return hidden, None, decoding
         lens = torch.tensor([items[i].req.window_size * b for i in decoding], device=self.device)  # [N]
         ends = meta.cu_q[1:][decoding]  # [N] flat end of each decoding query = end of its active block
         width = int(lens.max())
         rows = (ends - lens)[:, None] + torch.arange(width, device=self.device)[None, :]  # [N, L]
-        rows = torch.minimum(rows, ends[:, None] - 1)
-        return self.model.logits(hidden, rows), decoding  # [N, L, V]
+        return hidden, torch.minimum(rows, ends[:, None] - 1), decoding
 
     def _step(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request]) -> StepResult:
         s, width = self.slots, logits.shape[1]

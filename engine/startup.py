@@ -125,6 +125,9 @@ def _runner(args: ServerArgs, model: LLaDA2Model, tokenizer: Tokenizer, num_page
     runner = ModelRunner(model, num_pages, args.max_running_requests, tokenizer.mask_token_id,
                          tokenizer.eos_token_id, args.device, cuda_graph_max_bs=graph_bs)
     if args.tp_size > 1:
+        from redraft.engine.sharding import is_vocab_parallel
+
+        runner.vocab_reduce = not is_vocab_parallel(model)  # the ranks' logits hook serves full rows only
         from redraft.engine.tensor_parallel import log_rank_memory
 
         log_rank_memory(0, model, runner.k_cache)

@@ -1,6 +1,6 @@
 """Typed messages between the HTTP process and the engine process (pickled over ZMQ). Torch-free.
 
-HTTP -> engine: GenerateReq, AbortReq, ScoreReq, ScoreAbortReq, FlushCacheReq, PingReq, ShutdownReq.
+HTTP -> engine: GenerateReq (one, or a GenerateBatchReq of every output of one HTTP request), AbortReq, ScoreReq, ScoreAbortReq, FlushCacheReq, PingReq, ShutdownReq.
 engine -> HTTP: EngineReady or EngineFailed once at start-up, then one list per iteration of Accepted /
 Rejected / RequestOutput / ScoreResult / FlushCacheResult / Pong.
 
@@ -22,6 +22,15 @@ class GenerateReq:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+
+
+@dataclass
+class GenerateBatchReq:
+    """Every engine request of one HTTP request (the choices of `n`, the prompts of a /generate list): admitted
+    together, all or none (one refusal refuses them all, each with that refusal's error), in the same
+    iteration, so that they start decoding side by side."""
+
+    reqs: list[GenerateReq]
 
 
 @dataclass

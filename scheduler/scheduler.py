@@ -126,16 +126,22 @@ class Scheduler:
 
     # ---- queue ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        self.add_requests([req])
+
+    def add_requests(self, reqs: list[Request]) -> None:
+        """Queue requests together: all or none (QueueFull, RequestTooLarge)."""
         limit = self.config.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and len(self.waiting) + len(reqs) > limit:
             raise QueueFull(f"the queue is full ({limit} waiting requests)")
-        if req.total_blocks > self.pool.capacity:
-            raise RequestTooLarge(
-                f"the request needs {req.total_blocks * self.config.block_size} tokens of KV cache; "
-                f"the cache holds {self.pool.capacity * self.config.block_size}"
-            )
-        req.book.arrival = next(self._arrivals)
-        self.waiting.append(req)
+        for req in reqs:
+            if req.total_blocks > self.pool.capacity:
+                raise RequestTooLarge(
+                    f"the request needs {req.total_blocks * self.config.block_size} tokens of KV cache; "
+                    f"the cache holds {self.pool.capacity * self.config.block_size}"
+                )
+        for req in reqs:
+            req.book.arrival = next(self._arrivals)
+            self.waiting.append(req)
 
     def abort(self, rid: str, reason: FinishReason | None = None, keep_tokens: int | None = None) -> bool:
         """End a request now, as `reason` (default: abort), its output cut to `keep_tokens` if given.

@@ -21,10 +21,10 @@ from redraft.engine.grammar_sandbox import GrammarSandbox
 from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import Tokenizer
 from redraft.protocol.errors import RequestError, duplicate_request_id
-from redraft.protocol.messages import Accepted, RequestOutput
+from redraft.protocol.messages import Accepted, GenerateReq, RequestOutput
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.protocol.server_args import ServerArgs
-from redraft.server.engine_client import EngineClient, EngineDead, ServerDraining
+from redraft.server.engine_client import EngineClient, EngineDead, EngineStream, ServerDraining
 from redraft.server.metrics import ServerMetrics
 from redraft.server.param_names import RouteNames
 
@@ -160,9 +160,10 @@ class ChoiceStream:
     the engine request is ended there at once. `rid` is the engine's id (scoped by the API key, see
     `engine_rid`); the OutputStream, and so every response, carries the client's own id."""
 
-    def __init__(self, state: "ServerState", rid: str, ids: list[int], params: SamplingParams, index: int):
-        self.state, self.rid, self.index, self.params = state, rid, index, params
-        self._engine = state.client.generate(rid, ids, params)
+    def __init__(self, state: "ServerState", engine: EngineStream, params: SamplingParams, index: int):
+        self.state, self.rid, self.index, self.params = state, engine.rid, index, params
+        self._engine = engine
+        rid = engine.rid
         shown = client_rid(rid) if state.api_keys else rid  # without keys no id is scoped
         self.out = OutputStream(shown, state.tokenizer, params.stop, params.no_stop_trim, params.skip_special_tokens)
         self.sent_tokens = 0  # output tokens whose logprobs a stream has sent
@@ -200,20 +201,31 @@ async def start_streams(state: "ServerState", rids: list[str], prompts: list[lis
     all and raise the RequestError naming the route's fields by `names` (so that no response status is sent
     before admission). `count_param`: the field that sets how many outputs there are."""
     check_choice_count(state, len(prompts), count_param)
-    streams = [ChoiceStream(state, rid, ids, p, i) for i, (rid, ids, p) in enumerate(zip(rids, prompts, params))]
-    current = None
+    try:  # one message: the engine admits them together, in one iteration, or refuses them all
+        engine_streams = await state.client.submit([GenerateReq(rid, list(ids), p)
+                                                    for rid, ids, p in zip(rids, prompts, params)])
+    except (EngineDead, RequestError) as exc:
+        raise engine_error(_client_named(exc, rids, bool(state.api_keys)), names) from exc
+    streams = [ChoiceStream(state, e, p, i) for i, (e, p) in enumerate(zip(engine_streams, params))]
     try:
-        for current in streams:
-            await current.accept()
+        for s in streams:  # the answers to one message arrive together: no stream waits on another's forward
+            await s.accept()
     except BaseException as exc:
         for s in streams:
             await s.close()
-        if isinstance(exc, RequestError) and exc.code == "duplicate_request_id" and current is not None:
-            exc = duplicate_request_id(current.out.rid)  # the engine's id is scoped: name the client's own instead
         if isinstance(exc, (EngineDead, RequestError)):
-            raise engine_error(exc, names) from exc
+            raise engine_error(_client_named(exc, rids, bool(state.api_keys)), names) from exc
         raise
     return streams
+
+
+def _client_named(exc: Exception, rids: list[str], scoped: bool) -> Exception:
+    """A duplicate-id refusal names the engine's id, which is scoped by the API key: name the client's own."""
+    if isinstance(exc, RequestError) and exc.code == "duplicate_request_id":
+        rid = next((r for r in rids if repr(r) in exc.message), None)
+        if rid is not None:
+            return duplicate_request_id(client_rid(rid) if scoped else rid)
+    return exc
 
 
 async def run_all(streams: list[ChoiceStream]) -> list[OutputStream]:

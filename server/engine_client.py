@@ -38,7 +38,7 @@ from redraft.engine.child_process import group_signals_blocked
 from redraft.engine.engine_process import run_engine_process
 from redraft.protocol.errors import duplicate_request_id
 from redraft.protocol.messages import (
-    Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateReq, PingReq, Pong,
+    Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq, PingReq, Pong,
     Rejected, RequestOutput, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
 )
 from redraft.protocol.sampling_params import SamplingParams
@@ -165,6 +165,44 @@ def remove_stale_ipc_dirs(roots: list[str] | None = None) -> list[str]:
 class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+
+
+class EngineStream:
+    """The messages of one engine request: Accepted (or the RequestError of its refusal), then its progress, the
+    last one finished. `aclose` frees its id and, when it did not finish, aborts it in the engine (the consumer
+    went away): every stream must be closed, iterated to its end or not."""
+
+    def __init__(self, client: "EngineClient", rid: str, pending: _Pending):
+        self.client, self.rid, self.pending = client, rid, pending
+        self._closed = False
+
+    def __aiter__(self) -> "EngineStream":
+        return self
+
+    async def __anext__(self) -> Accepted | RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        msg = await self.pending.queue.get()
+        if isinstance(msg, Exception):  # the engine died
+            await self.aclose()
+            raise msg
+        if isinstance(msg, Rejected):
+            self.pending.finished = True
+            await self.aclose()
+            raise msg.error()
+        if isinstance(msg, RequestOutput) and msg.finished:
+            self.pending.finished = True
+            await self.aclose()  # the next call ends the iteration
+        return msg
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.client._pending.get(self.rid) is self.pending:
+            del self.client._pending[self.rid]
+        if not self.pending.finished and self.client.alive:  # client gone, cancelled or failed: free its pages now
+            await self.client.abort(self.rid)
 
 
 class EngineClient:
@@ -436,34 +474,39 @@ class EngineClient:
         return False
 
     # ---- requests -----------------------------------------------------------------------------------
-    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[Accepted | RequestOutput]:
-        """Accepted, then progress messages of one request, the last one finished (a RequestError instead
-        of Accepted when refused). Aborts the request if the consumer goes away before the end."""
+    async def submit(self, reqs: list[GenerateReq]) -> list["EngineStream"]:
+        """Send every engine request of one HTTP request in one message (admitted together, all or none, in one
+        iteration: GenerateBatchReq) and return their streams: each yields Accepted (or raises the refusal's
+        RequestError), then its progress messages, the last one finished. Close every stream (`aclose`)."""
         if not self.alive:
             raise EngineDead("the engine is not running")
-        if rid in self._pending:  # its progress would go to the request already in flight
-            raise duplicate_request_id(rid)
-        pending = self._pending[rid] = _Pending()
-        for callback in self.on_submit:
-            callback(rid, params)
+        seen: set[str] = set()
+        for r in reqs:
+            if r.rid in self._pending or r.rid in seen:  # its progress would go to the request already in flight
+                raise duplicate_request_id(r.rid)
+            seen.add(r.rid)
+        streams = [EngineStream(self, r.rid, self._pending.setdefault(r.rid, _Pending())) for r in reqs]
+        for r in reqs:
+            for callback in self.on_submit:
+                callback(r.rid, r.params)
         try:
-            await self._send_msg(GenerateReq(rid, list(input_ids), params))
-            while True:
-                msg = await pending.queue.get()
-                if isinstance(msg, Exception):
-                    raise msg
-                if isinstance(msg, Rejected):
-                    pending.finished = True
-                    raise msg.error()
+            await self._send_msg(reqs[0] if len(reqs) == 1 else GenerateBatchReq(list(reqs)))
+        except BaseException:
+            for stream in streams:
+                stream.pending.finished = True  # never admitted: nothing to abort
+                await stream.aclose()
+            raise
+        return streams
+
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[Accepted | RequestOutput]:
+        """One request's messages (`submit` of one); aborts it if the consumer goes away before the end."""
+        (stream,) = await self.submit([GenerateReq(rid, list(input_ids), params)])
+        try:
+            async for msg in stream:
                 yield msg
-                if isinstance(msg, RequestOutput) and msg.finished:
-                    pending.finished = True
-                    return
         finally:
-            self._pending.pop(rid, None)
-            if not pending.finished and self.alive:  # client gone, cancelled or failed: free its pages now
-                await self.abort(rid)
+            await stream.aclose()
 
     async def abort(self, rid: str, finish: dict[str, Any] | None = None, keep_tokens: int | None = None) -> None:
         """End a request (see AbortReq: `finish` and `keep_tokens` end it at a stop string)."""

@@ -165,6 +165,7 @@ def diffusion_stats(outs: list[OutputStream]) -> dict:
         "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0,
         "edits": sum(o.meta.get("edits", 0) for o in outs),
         "mode": outs[0].meta.get("mode") if outs else None,
+        "first_forward": [o.meta.get("first_forward") for o in outs],  # the engine forward each choice began at
     }
 
 

@@ -1,0 +1,145 @@
+"""Where a denoising step's time goes, and what the decision costs in memory without full logits.
+
+    python benchmarks/bench_host.py                       # batches 1 16 64 128, tiny model, one thread
+    python benchmarks/bench_host.py --batches 64 --steps 40
+
+Part 1 (time): `redraft.Engine` on a tiny model decodes `batch` greedy requests; every engine step is split into
+the model forward, the decision (lm_head and the draft-and-edit step), and the host's parts: scheduling, the
+update of the requests, their outputs, and the rest (batch building, attention metadata). Each configuration runs
+twice per batch size, alternating, with the decision from full logits ("full") and from vocabulary chunks
+("chunked", kernels/vocab_top1.py); medians over the steps of the steady state.
+
+Part 2 (memory): the peak memory a decision adds at batch 64 x 32 positions with LLaDA2's 157,184-token
+vocabulary, full logits + softmax/argmax against the chunked reduction, each measured in a fresh process
+(the peak resident set size, reset once the inputs exist, minus the size then; Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from redraft.engine.engine import Engine
+from redraft.engine.tiny import make_tiny_checkpoint
+from redraft.protocol.sampling_params import SamplingParams
+
+PARTS = ("forward", "decide", "schedule", "update", "outputs")
+LLADA2_VOCAB = 157_184
+
+
+def _timed(obj: object, name: str, bucket: dict[str, float], part: str) -> None:
+    """Wrap obj.name so that its time adds to bucket[part] (a benchmark's instrument, never the engine's)."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            bucket[part] += time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def step_split(path: Path, batch: int, chunked: bool, steps: int) -> dict[str, float]:
+    """Median milliseconds per engine step of each part (and the whole step), batch requests in flight."""
+    engine = Engine(str(path), max_running_requests=max(batch, 1), cpu_threads=1, progress=False)
+    core = engine.core
+    core.runner.vocab_reduce = chunked
+    bucket: dict[str, float] = defaultdict(float)
+    _timed(core.runner.model, "forward", bucket, "forward")
+    _timed(core.runner, "_decide_from_hidden", bucket, "decide")
+    _timed(core.scheduler, "schedule", bucket, "schedule")
+    _timed(core.scheduler, "update", bucket, "update")
+    _timed(core, "_output_guarded", bucket, "outputs")
+    params = SamplingParams(max_new_tokens=32 * (steps + 4), ignore_eos=True, mode="Q")  # outlives the run
+    for i in range(batch):
+        core.add_request(f"r{i}", [5 + i % 50, 6, 7, 8 + i % 7], params)
+    rows: dict[str, list[float]] = defaultdict(list)
+    for k in range(steps + 3):
+        bucket.clear()
+        t0 = time.perf_counter()
+        core.step()
+        total = time.perf_counter() - t0
+        if k < 3:  # admission and prefill: not the steady state
+            continue
+        rows["step"].append(total * 1e3)
+        for part in PARTS:
+            rows[part].append(bucket[part] * 1e3)
+        rows["other"].append((total - sum(bucket[p] for p in PARTS)) * 1e3)
+    engine.shutdown()
+    return {name: statistics.median(vals) for name, vals in rows.items()}
+
+
+_MEMORY_PROBE = r"""
+import sys, torch
+from redraft.engine.decoding import propose
+from redraft.kernels.vocab_top1 import lm_head_top1_torch
+torch.set_num_threads(1)
+mode, rows, hidden_size, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(rows, hidden_size, generator=g, dtype=torch.bfloat16)
+weight = torch.randn(vocab, hidden_size, generator=g, dtype=torch.bfloat16) / hidden_size ** 0.5
+def rss_kib(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from the current size
+before = rss_kib("VmRSS:")
+if mode == "full":
+    logits = torch.nn.functional.linear(hidden, weight).float()  # what LLaDA2Model.logits returns
+    logits[:, 156_895 % vocab] = float("-inf")
+    ids, prob = propose(logits[None], None)
+else:
+    top = lm_head_top1_torch(hidden, weight, 156_895 % vocab).combine()
+print(rss_kib("VmHWM:") - before)
+"""
+
+
+def decision_peak_mib(mode: str, rows: int, hidden_size: int, vocab: int) -> float:
+    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, mode, str(rows), str(hidden_size), str(vocab)],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.split()[-1]) / 1024  # /proc reports KiB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--steps", type=int, default=30, help="steady-state steps measured per configuration")
+    ap.add_argument("--skip-memory", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"# bench_host: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tiny"
+        make_tiny_checkpoint(path, seed=0)
+        print("| batch | decision | step ms | forward | decide | schedule | update | outputs | other | host share |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for batch in args.batches:
+            for chunked in (False, True):
+                r = step_split(path, batch, chunked, args.steps)
+                host = r["schedule"] + r["update"] + r["outputs"] + r["other"]
+                print(f"| {batch} | {'chunked' if chunked else 'full'} | {r['step']:.2f} | "
+                      + " | ".join(f"{r[p]:.2f}" for p in (*PARTS, "other")) + f" | {host / r['step']:.0%} |",
+                      flush=True)
+    if args.skip_memory:
+        return
+    rows, hidden_size = 64 * 32, 64  # the added memory does not depend on the hidden size; the CPU time does
+    full_gb = rows * LLADA2_VOCAB * 4 / 1e9
+    print(f"\nPeak memory a decision adds, batch 64 x 32 positions, vocabulary {LLADA2_VOCAB:,}, hidden "
+          f"{hidden_size} (bf16); full fp32 logits alone are {full_gb:.2f} GB:\n")
+    print("| decision | added peak (MiB) |")
+    print("|---|---:|")
+    for mode in ("full", "chunked"):
+        print(f"| {mode} | {decision_peak_mib(mode, rows, hidden_size, LLADA2_VOCAB):,.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
