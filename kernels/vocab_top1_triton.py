@@ -7,7 +7,8 @@ sum(exp(logit - best)). The tile never leaves the chip; what is written is [R, V
 by `Top1Partials.combine` (a few hundred numbers per row). Rows are the query positions the step decides on.
 
 Interpreted on CPU (TRITON_INTERPRET=1) the dot operands are upcast to fp32: the interpreter's bf16 `tl.dot`
-is wrong (Triton 3.9). Compiled, the accumulation order is the tensor cores', not cuBLAS's, so a logit can
+is wrong (Triton 3.9), and its fp32 -> bf16 cast truncates where torch rounds to nearest even (docs/gpu.md), so
+interpreted bf16 tiles differ from torch's logits by an ulp at times; the tests bound it. Compiled, the accumulation order is the tensor cores', not cuBLAS's, so a logit can
 round to a neighbouring bf16 value where the full path's does not: see docs/gpu.md before relying on ties.
 """
 
