@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -41,7 +41,6 @@ from redraft.protocol.messages import (
     Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq, PingReq, Pong,
     Rejected, RequestOutput, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
 )
-from redraft.protocol.sampling_params import SamplingParams
 from redraft.protocol.server_args import ServerArgs
 
 log = logging.getLogger("redraft.client")
@@ -497,16 +496,6 @@ class EngineClient:
                 await stream.aclose()
             raise
         return streams
-
-    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[Accepted | RequestOutput]:
-        """One request's messages (`submit` of one); aborts it if the consumer goes away before the end."""
-        (stream,) = await self.submit([GenerateReq(rid, list(input_ids), params)])
-        try:
-            async for msg in stream:
-                yield msg
-        finally:
-            await stream.aclose()
 
     async def abort(self, rid: str, finish: dict[str, Any] | None = None, keep_tokens: int | None = None) -> None:
         """End a request (see AbortReq: `finish` and `keep_tokens` end it at a stop string)."""
