@@ -21,7 +21,7 @@ import torch
 
 from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
-from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, joint_threshold_step, threshold_step
+from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, propose, threshold_step
 from redraft.engine.faults import NO_FAULTS, FaultInjector
 from redraft.engine.logit_controls import LogitControls
 from redraft.engine.model import LLaDA2Model
@@ -244,11 +244,7 @@ class ModelRunner:
     def _decide_top1(self, hidden: torch.Tensor, rows: torch.Tensor, reqs: list[Request]) -> StepOutput:
         n, width = rows.shape
         top = self.top1(hidden[rows.reshape(-1)])  # [n * L]
-        s, slots = self.slots, self.slots.slot_ids(reqs)
-        result = threshold_step(top.ids.view(n, width), top.prob.view(n, width), s.tokens[slots, :width],
-                                s.editable[slots, :width], s.threshold[slots], s.edit_threshold[slots], self.mask_id)
-        s.tokens[slots, :width] = result.tokens  # the window after this step: next step's input
-        s.steps[slots] += 1
+        result = self._advance(top.ids.view(n, width), top.prob.view(n, width), self.slots.slot_ids(reqs))
         return self._step_output(result, [r.window_size * self.block_size for r in reqs])
 
     def top1(self, hidden: torch.Tensor) -> Top1:
@@ -340,11 +336,18 @@ class ModelRunner:
         return hidden, torch.minimum(rows, ends[:, None] - 1), decoding
 
     def _step(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request]) -> StepResult:
-        s, width = self.slots, logits.shape[1]
-        sampling = s.sampling(slots, width) if any(r.params.temperature > 0 for r in reqs) else None
-        result = joint_threshold_step(logits, s.tokens[slots, :width], s.editable[slots, :width], s.threshold[slots],
-                                      s.edit_threshold[slots], self.mask_id, sampling, mask_excluded=True)
-        s.tokens[slots, :width] = result.tokens  # the window after this step: next step's input
+        """decoding.joint_threshold_step on logits whose MASK is already excluded: propose, then `_advance`."""
+        width = logits.shape[1]
+        sampling = self.slots.sampling(slots, width) if any(r.params.temperature > 0 for r in reqs) else None
+        return self._advance(*propose(logits, sampling), slots)
+
+    def _advance(self, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor) -> StepResult:
+        """M2T and T2T on the slot rows from the proposals v and their probabilities p ([N, L]); the rows then hold
+        the window after this step (the next step's input)."""
+        s, width = self.slots, v.shape[1]
+        result = threshold_step(v, p, s.tokens[slots, :width], s.editable[slots, :width], s.threshold[slots],
+                                s.edit_threshold[slots], self.mask_id)
+        s.tokens[slots, :width] = result.tokens
         s.steps[slots] += 1
         return result
 

@@ -46,7 +46,9 @@ def test_generate_list_starts_in_one_forward(server) -> None:
 
 def test_a_refused_prompt_refuses_the_whole_request(server) -> None:
     too_long = list(range(5, 5 + 5000))  # longer than the tiny model's context
-    r = _post(server, "/generate", {"input_ids": [[5, 6, 7], too_long], "sampling_params": {"max_new_tokens": 8}})
+    # the good prompt would run for seconds: had it been admitted, it would still be running below
+    long_run = {"max_new_tokens": 2000, "ignore_eos": True}
+    r = _post(server, "/generate", {"input_ids": [[5, 6, 7], too_long], "sampling_params": long_run})
     assert r.status_code == 400, r.text
     info = httpx.get(server.url + "/server_info", timeout=30, trust_env=False).json()
     assert info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0, info

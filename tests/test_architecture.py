@@ -82,22 +82,26 @@ def test_the_checker_sees_imports_inside_functions(tmp_path) -> None:
     assert part_of("redraft.server.common") == "server" and part_of("numpy") is None
 
 
-def test_http_process_modules_import_no_torch() -> None:
-    """A fresh interpreter imports every module of redraft.server (and the launcher): torch stays out."""
-    modules = sorted(f"redraft.server.{p.stem}" for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
+def _imports_without_torch(modules: list[str], then: str = "") -> None:
+    """Import `modules` (then run `then`) in a fresh interpreter; fail if torch or triton got loaded."""
     code = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
-        "import redraft.cli\n"
-        "redraft.cli.build_parser()\n"
+        f"{then}"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
-        "print(len(sys.modules), bad[:5])\n"
+        "print(bad[:5])\n"
         "sys.exit(1 if bad else 0)\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_http_process_modules_import_no_torch() -> None:
+    """A fresh interpreter imports every module of redraft.server (and the launcher): torch stays out."""
+    modules = sorted(f"redraft.server.{p.stem}" for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
     assert len(modules) >= 8
+    _imports_without_torch(modules, then="import redraft.cli\nredraft.cli.build_parser()\n")
 
 
 def test_protocol_and_scheduler_modules_import_no_torch() -> None:
@@ -105,14 +109,5 @@ def test_protocol_and_scheduler_modules_import_no_torch() -> None:
     torch arriving through a third-party import, which the source check above cannot see)."""
     modules = sorted(f"redraft.{part}.{p.stem}" for part in ("protocol", "scheduler")
                      for p in (ROOT / part).glob("*.py") if p.stem != "__init__")
-    code = (
-        "import importlib, sys\n"
-        f"for name in {modules!r}:\n"
-        "    importlib.import_module(name)\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
-        "print(bad[:5])\n"
-        "sys.exit(1 if bad else 0)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
     assert len(modules) >= 7
+    _imports_without_torch(modules)
