@@ -40,11 +40,27 @@ class ModelConfig:
     use_bias: bool = False
     pad_token_id: int | None = None
     torch_dtype: str | None = None
+    # LLaDA2.2 (../docs/llada22.md): experts admitted per routing block of `block_size` absolute positions of one
+    # request (0: LLaDA2.0/2.1's grouped routing), and the vocabulary rows of the structural edits
+    expert_capacity: int = 0
+    block_size: int = BLOCK_SIZE
+    delete_token_id: int | None = None
+    split_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def block_routing(self) -> bool:
+        """LLaDA2.2's per-block expert routing (grouped routing otherwise)."""
+        return self.expert_capacity > 0
+
+    @property
+    def structural_edits(self) -> bool:
+        """Whether the checkpoint predicts DELETE and SPLIT, so the Levenshtein step can run on it."""
+        return self.delete_token_id is not None and self.split_token_id is not None
 
     @property
     def is_moe_layer(self) -> list[bool]:
@@ -89,6 +105,12 @@ class ModelConfig:
             raise ValueError("topk_group must be in 1..n_group")
         if self.num_experts_per_tok > (self.num_experts // self.n_group) * self.topk_group:
             raise ValueError("num_experts_per_tok exceeds the experts available in topk_group groups")
+        if self.expert_capacity and not self.num_experts_per_tok <= self.expert_capacity <= self.num_experts:
+            raise ValueError("expert_capacity must be in num_experts_per_tok..num_experts (or 0: grouped routing)")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if (self.delete_token_id is None) != (self.split_token_id is None):
+            raise ValueError("delete_token_id and split_token_id come together (LLaDA2.2) or not at all")
         if self.rotary_dim % 2:
             raise ValueError("rotary dim (head_dim * partial_rotary_factor) must be even")
 
