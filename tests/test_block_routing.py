@@ -1,0 +1,212 @@
+"""LLaDA2.2's block routing (the LLaDA2.2 page, "Block routing"; docs/llada22.md) against the naive twin
+(tests/naive_llada2.py `block_route`, full recompute), on tiny checkpoints written with an `expert_capacity`.
+
+  - the naive routing on a hand example; the torch router (kernels/moe.py) against it on packed batches;
+  - routing-block isolation: a request's routing never depends on another request of the batch, however the
+    batch packs them (lengths that sum to a multiple of 32 while each is misaligned);
+  - the engine's forward (float64, a packed batch of ragged prefills) against the naive forward, per request;
+  - exact generation: the engine's ids and forward counts equal naive_generate's, alone, batched and with
+    chunked prefill; two misaligned requests batched give their tokens alone;
+  - the layer's FP8 twin routes the same way.
+The Triton router's twin checks are in tests/test_moe_kernel.py, tensor parallelism in test_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from naive_llada2 import NaiveLLaDA2, block_route, naive_generate, route
+
+import redraft
+from redraft.engine.config import ModelConfig
+from redraft.engine.loader import load_model
+from redraft.kernels.attention import AttentionMetadata
+from redraft.kernels.moe import route_blocks_torch, routing_blocks
+
+CAPACITY = 3  # of the tiny checkpoints' 8 experts (top-2): a block's tokens share few experts
+BLOCK = 32
+
+
+def block_ckpt(tiny_checkpoint: Callable[..., Path], seed: int = 0, capacity: int = CAPACITY, **kw: Any) -> Path:
+    return tiny_checkpoint(seed=seed, config_overrides={"expert_capacity": capacity}, **kw)
+
+
+# ---- the routing function ---------------------------------------------------------------------------------
+def test_naive_block_route_by_hand() -> None:
+    """Two blocks of two tokens, 4 experts, capacity 2, top-1. Block 0's best scores per expert are (.9, .7, .5, .1):
+    it admits experts 0 and 1, so token 1, whose own best is expert 2, takes expert 1. Block 1's are (.7, .2, .6, .6):
+    experts 2 and 3 tie for the second seat and the lower id, 2, gets it."""
+    s = torch.tensor([[0.9, 0.7, 0.1, 0.1],
+                      [0.1, 0.2, 0.5, 0.0],
+                      [0.5, 0.1, 0.6, 0.6],
+                      [0.7, 0.2, 0.1, 0.1]], dtype=torch.float64)
+    idx, w = block_route(s, None, block_size=2, capacity=2, top_k=1, routed_scaling_factor=1.0, norm_topk_prob=False)
+    assert idx[:, 0].tolist() == [0, 1, 2, 0]
+    assert w[:, 0].tolist() == [0.9, 0.2, 0.6, 0.7]
+
+
+def packed(lengths: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [T], cu_q [N + 1]) of a flat batch of requests with these query lengths and first positions."""
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    return pos, cu
+
+
+def naive_ids(scores: torch.Tensor, bias: torch.Tensor, lengths: list[int], starts: list[int], top_k: int,
+              capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive routing of each request on its own (its query starts on a block boundary)."""
+    ids, ws, off = [], [], 0
+    for n, s in zip(lengths, starts):
+        assert s % BLOCK == 0
+        i, w = block_route(scores[off : off + n], bias, block_size=BLOCK, capacity=capacity, top_k=top_k,
+                           routed_scaling_factor=2.5)
+        ids.append(i)
+        ws.append(w)
+        off += n
+    return torch.cat(ids), torch.cat(ws)
+
+
+@pytest.mark.parametrize("e,k,capacity", [(8, 2, 3), (16, 3, 5), (256, 8, 48), (8, 2, 8)])
+def test_torch_block_routing_equals_the_naive_twin(e: int, k: int, capacity: int) -> None:
+    g = torch.Generator().manual_seed(e + capacity)
+    lengths, starts = [20, 64, 33, 7], [32, 0, 96, 64]  # prefill chunks and decoding windows, ragged
+    pos, cu = packed(lengths, starts)
+    x = torch.randn(pos.numel(), 24, generator=g, dtype=torch.float64)
+    w = torch.randn(e, 24, generator=g, dtype=torch.float64)
+    bias = torch.randn(e, generator=g, dtype=torch.float64) * 0.05
+    got_ids, got_w = route_blocks_torch(x, w, bias, routing_blocks(pos, cu, BLOCK), top_k=k, capacity=capacity,
+                                        routed_scaling_factor=2.5)
+    want_ids, want_w = naive_ids(torch.sigmoid(x @ w.t()), bias, lengths, starts, k, capacity)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-12, atol=1e-12)
+
+
+def test_ties_go_to_the_lower_expert_id() -> None:
+    """Every score equal: each block admits experts 0..capacity-1 and each token takes 0..k-1."""
+    x = torch.zeros(40, 4, dtype=torch.float64)
+    ids, _ = route_blocks_torch(x, torch.zeros(8, 4, dtype=torch.float64), torch.zeros(8, dtype=torch.float64),
+                                routing_blocks(*packed([40], [0]), BLOCK), top_k=2, capacity=3,
+                                routed_scaling_factor=1.0)
+    assert ids.tolist() == [[0, 1]] * 40
+
+
+def test_block_routing_is_not_grouped_routing() -> None:
+    """The tiny router with capacity 3 chooses other experts than LLaDA2.1's grouped routing on some tokens (so the
+    engine tests below can tell the two apart)."""
+    g = torch.Generator().manual_seed(5)
+    s = torch.sigmoid(torch.randn(64, 8, generator=g, dtype=torch.float64))
+    bias = torch.zeros(8, dtype=torch.float64)
+    blocked, _ = block_route(s, bias, block_size=BLOCK, capacity=CAPACITY, top_k=2, routed_scaling_factor=1.0)
+    grouped, _ = route(s, bias, n_group=4, topk_group=2, top_k=2, routed_scaling_factor=1.0)
+    assert not torch.equal(blocked.sort(-1).values, grouped.sort(-1).values)
+
+
+@pytest.mark.parametrize("lengths", [[20, 44], [45, 19], [1, 63]])
+def test_routing_blocks_are_never_shared_between_requests(lengths: list[int]) -> None:
+    """Two requests packed back to back whose lengths sum to 64 (each misaligned: a flat 32-token window would
+    straddle them): changing request A's tokens never changes request B's routing, and B's routing is the one it
+    gets alone."""
+    g = torch.Generator().manual_seed(sum(lengths[:1]))
+    starts = [0, 0]
+    pos, cu = packed(lengths, starts)
+    labels = routing_blocks(pos, cu, BLOCK)
+    assert set(labels[: lengths[0]].tolist()).isdisjoint(labels[lengths[0] :].tolist())
+    w = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    bias = torch.randn(8, generator=g, dtype=torch.float64) * 0.05
+    x = torch.randn(sum(lengths), 16, generator=g, dtype=torch.float64)
+    kw = dict(top_k=2, capacity=CAPACITY, routed_scaling_factor=2.5)
+    ids, wts = route_blocks_torch(x, w, bias, labels, **kw)
+    y = x.clone()
+    y[: lengths[0]] = torch.randn(lengths[0], 16, generator=g, dtype=torch.float64) * 3  # request A changes
+    ids2, wts2 = route_blocks_torch(y, w, bias, labels, **kw)
+    b = slice(lengths[0], None)
+    assert torch.equal(ids2[b], ids[b]) and torch.equal(wts2[b], wts[b])
+    alone_ids, alone_w = route_blocks_torch(x[b], w, bias, routing_blocks(*packed(lengths[1:], [0]), BLOCK), **kw)
+    assert torch.equal(alone_ids, ids[b]) and torch.equal(alone_w, wts[b])
+
+
+def test_a_neighbour_that_floods_its_block_does_not_reach_the_next_request() -> None:
+    """Request A (20 tokens) scores experts 5, 6, 7 near 1; request B (44 tokens, all scores 0.5) alone admits
+    experts 0, 1, 2 and takes 0 and 1. Packed after A, B still takes 0 and 1 at every token; labelling the flat
+    batch in 32-token windows instead (A's 20 tokens + B's first 12 in one block) would hand B's first 12 tokens
+    A's experts, which this construction makes visible."""
+    w = torch.eye(8, 16, dtype=torch.float64)  # expert e reads hidden coordinate e
+    x = torch.zeros(64, 16, dtype=torch.float64)
+    x[:20, 5:8] = 10.0
+    bias = torch.zeros(8, dtype=torch.float64)
+    kw = dict(top_k=2, capacity=CAPACITY, routed_scaling_factor=1.0)
+    ids, _ = route_blocks_torch(x, w, bias, routing_blocks(*packed([20, 44], [0, 0]), BLOCK), **kw)
+    assert ids[20:].tolist() == [[0, 1]] * 44
+    assert ids[:20].tolist() == [[5, 6]] * 20
+    flat, _ = route_blocks_torch(x, w, bias, torch.arange(64) // BLOCK, **kw)
+    assert flat[20:32].tolist() == [[5, 6]] * 12  # what sharing a block would do
+
+
+def test_padded_rows_form_their_own_blocks() -> None:
+    """CUDA graphs pad a batch with one-block rows at positions 0..31: each padded row is a request of its own."""
+    pos = torch.arange(BLOCK).repeat(3)
+    cu = torch.arange(4) * BLOCK
+    labels = routing_blocks(pos, cu, BLOCK)
+    assert [len(set(labels[i * BLOCK : (i + 1) * BLOCK].tolist())) for i in range(3)] == [1, 1, 1]
+    assert len(set(labels.tolist())) == 3
+
+
+# ---- the model's forward ----------------------------------------------------------------------------------
+def forward_batch(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence prefilled from position 0 in ONE packed forward (block-causal): its logits [L, V]."""
+    cfg = model.cfg
+    pages, tables = 0, []
+    for s in seqs:
+        n = -(-len(s) // BLOCK)
+        tables.append(list(range(pages, pages + n)))
+        pages += n
+    dtype = next(model.parameters()).dtype
+    shape = (cfg.num_hidden_layers, pages, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    meta = AttentionMetadata.build([0] * len(seqs), [len(s) for s in seqs], tables, BLOCK, "cpu")
+    ids = torch.tensor([t for s in seqs for t in s])
+    with torch.inference_mode():
+        logits = model.logits(model(ids, meta, k_cache, v_cache))  # [T, V]
+    return list(logits.split([len(s) for s in seqs]))
+
+
+def test_engine_forward_equals_the_naive_forward_float64(tiny_checkpoint: Callable[..., Path]) -> None:
+    """A packed batch of ragged prefills (lengths 40, 64, 7, 33) through the engine's model in float64 equals the
+    naive model run on each sequence alone; the grouped router on the same weights would not."""
+    path = block_ckpt(tiny_checkpoint)
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.block_routing and cfg.expert_capacity == CAPACITY
+    model = load_model(path, cfg, dtype=torch.float64, progress=False)
+    naive = NaiveLLaDA2(path, dtype=torch.float64)
+    rng = random.Random(7)
+    seqs = [[rng.randrange(300) for _ in range(n)] for n in (40, 64, 7, 33)]
+    got = forward_batch(model, seqs)
+    for s, logits in zip(seqs, got):
+        want = naive.forward_logits(torch.tensor(s))
+        torch.testing.assert_close(logits, want, rtol=1e-10, atol=1e-10)
+    naive.expert_capacity = 0  # the same weights under grouped routing: other logits
+    assert not torch.allclose(naive.forward_logits(torch.tensor(seqs[0])), got[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_checkpoint_whose_routing_block_straddles_a_forward_block_is_refused(tmp_path: Path,
+                                                                              tiny_checkpoint: Callable[..., Path]):
+    path = tiny_checkpoint(seed=0, config_overrides={"expert_capacity": CAPACITY, "block_size": 48})
+    with pytest.raises(ValueError, match="block_size that divides 32"):
+        load_model(path, ModelConfig.from_pretrained(path), dtype=torch.float64, progress=False)
+
+
+def test_a_22_config_keeps_unused_groups() -> None:
+    """n_group / topk_group are ignored under block routing: values grouped routing could not take load."""
+    raw = json.loads(json.dumps({"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                 "num_key_value_heads": 1, "intermediate_size": 32, "moe_intermediate_size": 8,
+                                 "num_experts": 6, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 1}))
+    with pytest.raises(ValueError, match="n_group"):
+        ModelConfig.from_dict(raw)
+    cfg = ModelConfig.from_dict({**raw, "expert_capacity": 4})
+    assert cfg.block_routing and cfg.n_group == 4
