@@ -210,3 +210,86 @@ def test_a_22_config_keeps_unused_groups() -> None:
         ModelConfig.from_dict(raw)
     cfg = ModelConfig.from_dict({**raw, "expert_capacity": 4})
     assert cfg.block_routing and cfg.n_group == 4
+
+
+# ---- exact generation -------------------------------------------------------------------------------------
+class BlockTiny:
+    """A block-routing tiny checkpoint with its float64 engines (plain, and chunked prefill of 64 tokens) and its
+    float64 naive model."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+        by_content = {t["content"]: t["id"] for t in added}
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        content = lambda e: e["content"] if isinstance(e, dict) else e  # noqa: E731
+        self.mask_id, self.eos_id = by_content[content(tok_cfg["mask_token"])], by_content[content(tok_cfg["eos_token"])]
+        self.specials = set(by_content.values())
+        self.vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        self.engine = redraft.Engine(model_path=str(path), device="cpu", dtype="float64", progress=False)
+        self.chunked = redraft.Engine(model_path=str(path), device="cpu", dtype="float64", progress=False,
+                                      chunked_prefill_size=64)
+        self.naive = NaiveLLaDA2(path, dtype=torch.float64)
+
+    def prompt(self, length: int, salt: int = 0) -> list[int]:
+        rng = random.Random(f"block/{length}/{salt}")
+        ordinary = [i for i in range(self.vocab) if i not in self.specials]
+        return [rng.choice(ordinary) for _ in range(length)]
+
+    def reference(self, ids: list[int], n: int, threshold: float, edit_threshold: float,
+                  max_post_steps: int) -> tuple[list[int], int]:
+        return naive_generate(self.naive, ids, max_new_tokens=n, threshold=threshold, edit_threshold=edit_threshold,
+                              max_post_steps=max_post_steps, mask_id=self.mask_id, eos_id=self.eos_id)
+
+
+@pytest.fixture(scope="module")
+def btiny(tiny_checkpoint: Callable[..., Path]) -> Iterator[BlockTiny]:
+    t = BlockTiny(block_ckpt(tiny_checkpoint, seed=1))
+    yield t
+    t.engine.shutdown()
+    t.chunked.shutdown()
+
+
+# (prompt length, max_new_tokens, threshold, edit_threshold, max_post_steps): prompts ending mid-block, on a
+# boundary and spanning several blocks (chunked at 64 tokens), outputs inside one block and across several
+GEN_CASES = [(1, 7, 0.5, 0.0, 16), (20, 40, 0.7, 0.5, 16), (32, 33, 0.5, 0.0, 0), (100, 40, 0.7, 0.5, 1),
+             (150, 20, 0.9, 0.3, 16)]
+
+
+def _params(n: int, th: float, ed: float, post: int) -> dict[str, Any]:
+    return {"max_new_tokens": n, "temperature": 0.0, "threshold": th, "edit_threshold": ed, "max_post_steps": post}
+
+
+@pytest.mark.parametrize("case", GEN_CASES, ids=[f"prompt{c[0]}-new{c[1]}" for c in GEN_CASES])
+def test_engine_generation_equals_naive(btiny: BlockTiny, case: tuple) -> None:
+    """Ids and forward counts equal naive_generate's, with whole-prompt prefill and with 64-token prefill chunks."""
+    p, n, th, ed, post = case
+    ids = btiny.prompt(p)
+    want = btiny.reference(ids, n, th, ed, post)
+    for eng in (btiny.engine, btiny.chunked):
+        out = eng.generate(input_ids=ids, sampling_params=_params(n, th, ed, post))
+        assert (out["output_ids"], out["meta_info"]["steps"]) == want
+
+
+def test_batched_generation_equals_naive(btiny: BlockTiny) -> None:
+    """Every case in one batch (packed, ragged, some prefilling while others decode): each request's ids and
+    forward counts are the naive reference's."""
+    prompts = [btiny.prompt(c[0], salt=1) for c in GEN_CASES]
+    params = [_params(*c[1:]) for c in GEN_CASES]
+    for eng in (btiny.engine, btiny.chunked):
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        for ids, c, out in zip(prompts, GEN_CASES, outs):
+            assert (out["output_ids"], out["meta_info"]["steps"]) == btiny.reference(ids, *c[1:]), c
+
+
+@pytest.mark.parametrize("lengths", [(20, 44), (45, 51)])
+def test_misaligned_requests_batched_give_their_tokens_alone(btiny: BlockTiny, lengths: tuple[int, int]) -> None:
+    """Two requests whose prompt lengths sum to a multiple of 32, each misaligned, batched: each one's tokens and
+    forwards are those it gets alone (and the naive reference's)."""
+    prompts = [btiny.prompt(n, salt=2) for n in lengths]
+    sp = _params(24, 0.5, 0.0, 16)
+    together = btiny.engine.generate(input_ids=prompts, sampling_params=[sp, sp])
+    for ids, out in zip(prompts, together):
+        alone = btiny.engine.generate(input_ids=ids, sampling_params=sp)
+        assert (out["output_ids"], out["meta_info"]["steps"]) == (alone["output_ids"], alone["meta_info"]["steps"])
+        assert (alone["output_ids"], alone["meta_info"]["steps"]) == btiny.reference(ids, 24, 0.5, 0.0, 16)
