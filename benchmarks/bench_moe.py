@@ -438,7 +438,8 @@ def record_launches():
     from redraft.kernels import moe_triton as mt
 
     names = {mt: ["_route_kernel", "_block_route_kernel", "_moe_count_kernel", "_moe_scan_kernel",
-                  "_moe_scatter_kernel", "_fused_moe_kernel", "_silu_mul_kernel", "_moe_reduce_kernel", "_block_gemm_kernel"],
+                  "_moe_scatter_kernel", "_fused_moe_kernel", "_silu_mul_kernel", "_moe_reduce_kernel",
+                  "_block_gemm_kernel"],
              ft: ["_block_gemm_kernel"]}
     log: list = []
     saved = []

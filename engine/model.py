@@ -3,7 +3,8 @@
 Reads in one sitting: RMSNorm -> packed QKV -> per-head QK RMSNorm -> partial NeoX rotary -> block-causal
 paged attention -> output projection; then a dense SwiGLU (first layers) or the sigmoid MoE with a shared expert
 (LLaDA2.0/2.1's grouped routing, or LLaDA2.2's block routing when the config has an `expert_capacity`: each
-token's routing block comes from the attention metadata, `kernels/moe.py` `routing_blocks`). Parameter layout is ours (packed/stacked at load); `engine/loader.py` maps official names.
+token's routing block comes from the attention metadata, `kernels/moe.py` `routing_blocks`). Parameter layout is
+ours (packed/stacked at load); `engine/loader.py` maps official names.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ if HAS_TRITON:
 else:  # pragma: no cover
     triton = tl = None
 
-__all__ = ["route_triton", "route_logits_triton", "route_blocks_triton", "route_layer_triton", "moe_align", "MoEPlan", "fused_moe", "unfused_moe",
+__all__ = ["route_triton", "route_logits_triton", "route_blocks_triton", "route_layer_triton", "moe_align", "MoEPlan",
+           "fused_moe", "unfused_moe",
            "moe_forward_triton", "fused_config", "FUSED_BUFFER_SHARE"]
 
 FUSED_BUFFER_SHARE = 0.15  # "auto": fused while its partial buffer traffic is under this share of expert bytes

@@ -223,7 +223,8 @@ class BlockTiny:
         by_content = {t["content"]: t["id"] for t in added}
         tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
         content = lambda e: e["content"] if isinstance(e, dict) else e  # noqa: E731
-        self.mask_id, self.eos_id = by_content[content(tok_cfg["mask_token"])], by_content[content(tok_cfg["eos_token"])]
+        self.mask_id = by_content[content(tok_cfg["mask_token"])]
+        self.eos_id = by_content[content(tok_cfg["eos_token"])]
         self.specials = set(by_content.values())
         self.vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         self.engine = redraft.Engine(model_path=str(path), device="cpu", dtype="float64", progress=False)
@@ -293,3 +294,17 @@ def test_misaligned_requests_batched_give_their_tokens_alone(btiny: BlockTiny, l
         alone = btiny.engine.generate(input_ids=ids, sampling_params=sp)
         assert (out["output_ids"], out["meta_info"]["steps"]) == (alone["output_ids"], alone["meta_info"]["steps"])
         assert (alone["output_ids"], alone["meta_info"]["steps"]) == btiny.reference(ids, 24, 0.5, 0.0, 16)
+
+
+def test_likelihood_forwards_route_each_variant_by_itself(btiny: BlockTiny) -> None:
+    """The staircase (echo) values run every masked variant of a block as a request of its own, many in one forward:
+    each value equals the naive model's on that variant alone (block routing over the variant's own tokens)."""
+    ids = btiny.prompt(45, salt=3)
+    got = btiny.engine.prompt_logprobs(ids)
+    for i in range(1, len(ids)):
+        k = i // BLOCK * BLOCK
+        seq = ids[:i] + [btiny.mask_id] * (k + BLOCK - i)  # i .. the end of its block masked
+        logits = btiny.naive.forward_logits(torch.tensor(seq))[i].clone()
+        logits[btiny.mask_id] = float("-inf")
+        want = torch.log_softmax(logits, -1)[ids[i]].item()
+        assert got[i][0] == pytest.approx(want, abs=1e-10), i
