@@ -6,7 +6,8 @@
     batch packs them (lengths that sum to a multiple of 32 while each is misaligned);
   - the engine's forward (float64, a packed batch of ragged prefills) against the naive forward, per request;
   - exact generation: the engine's ids and forward counts equal naive_generate's, alone, batched and with
-    chunked prefill; two misaligned requests batched give their tokens alone;
+    chunked prefill, on a prefix-cache hit and (ids) under preemption; an MBE window equals the naive MBE loop;
+    two misaligned requests batched give their tokens alone; likelihood forwards route each variant by itself;
   - the layer's FP8 twin routes the same way.
 The Triton router's twin checks are in tests/test_moe_kernel.py, tensor parallelism in test_tensor_parallel.py.
 """
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from naive_llada2 import NaiveLLaDA2, block_route, naive_generate, route
+from naive_llada2 import NaiveLLaDA2, block_route, naive_generate, naive_mbe_generate, route
 
 import redraft
 from redraft.engine.config import ModelConfig
@@ -308,3 +309,36 @@ def test_likelihood_forwards_route_each_variant_by_itself(btiny: BlockTiny) -> N
         logits[btiny.mask_id] = float("-inf")
         want = torch.log_softmax(logits, -1)[ids[i]].item()
         assert got[i][0] == pytest.approx(want, abs=1e-10), i
+
+
+def test_prefix_cache_hits_and_mbe_windows(btiny: BlockTiny) -> None:
+    """A repeated prompt is served from the radix cache (its blocks' K/V were computed with whole routing blocks)
+    with the same ids and forwards; a multi-block-editing window (several routing blocks in one decoding query)
+    equals the naive MBE loop."""
+    ids = btiny.prompt(100, salt=4)
+    sp = _params(40, 0.5, 0.0, 16)
+    first = btiny.engine.generate(input_ids=ids, sampling_params=sp)
+    again = btiny.engine.generate(input_ids=ids, sampling_params=sp)
+    assert again["meta_info"]["cached_tokens"] >= 96
+    assert (again["output_ids"], again["meta_info"]["steps"]) == (first["output_ids"], first["meta_info"]["steps"])
+    assert (first["output_ids"], first["meta_info"]["steps"]) == btiny.reference(ids, 40, 0.5, 0.0, 16)
+    ids = btiny.prompt(20, salt=5)
+    out = btiny.engine.generate(input_ids=ids, sampling_params={**_params(70, 0.7, 0.5, 16), "mbe_window": 2})
+    want = naive_mbe_generate(btiny.naive, ids, max_new_tokens=70, threshold=0.7, edit_threshold=0.5,
+                              max_post_steps=16, window=2, mask_id=btiny.mask_id, eos_id=btiny.eos_id)
+    assert (out["output_ids"], out["meta_info"]["steps"]) == want
+
+
+def test_preemption_keeps_the_tokens(btiny: BlockTiny) -> None:
+    """A KV cache of 7 blocks for three requests that each grow to 3-4 blocks: requests are preempted and resume
+    (their blocks recomputed whole, block routing included), with the naive reference's ids."""
+    prompts = [btiny.prompt(n, salt=6) for n in (20, 40, 33)]
+    sp = {**_params(64, 0.5, 0.0, 16), "ignore_eos": True}
+    with redraft.Engine(model_path=str(btiny.path), device="cpu", dtype="float64", progress=False,
+                        max_total_tokens=7 * BLOCK) as tight:
+        outs = tight.generate(input_ids=prompts, sampling_params=[sp] * 3)
+        assert tight.core.scheduler.num_preemptions > 0
+    for ids, out in zip(prompts, outs):
+        want = naive_generate(btiny.naive, ids, max_new_tokens=64, threshold=0.5, edit_threshold=0.0,
+                              max_post_steps=16, mask_id=btiny.mask_id, eos_id=-1)  # ignore_eos: no stop id
+        assert out["output_ids"] == want[0]
