@@ -204,9 +204,9 @@ def test_a_checkpoint_whose_routing_block_straddles_a_forward_block_is_refused(t
 
 def test_a_22_config_keeps_unused_groups() -> None:
     """n_group / topk_group are ignored under block routing: values grouped routing could not take load."""
-    raw = json.loads(json.dumps({"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                 "num_key_value_heads": 1, "intermediate_size": 32, "moe_intermediate_size": 8,
-                                 "num_experts": 6, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 1}))
+    raw = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "intermediate_size": 32, "moe_intermediate_size": 8, "num_experts": 6,
+           "num_experts_per_tok": 2, "n_group": 4, "topk_group": 1}  # 6 experts do not split into 4 groups
     with pytest.raises(ValueError, match="n_group"):
         ModelConfig.from_dict(raw)
     cfg = ModelConfig.from_dict({**raw, "expert_capacity": 4})
