@@ -314,7 +314,7 @@ def test_block_routing_model_on_triton_equals_torch(tiny_checkpoint):
     MoE, interpreted) against the torch backend, float32, on a packed batch of ragged prefills: the logits agree to
     fp32 rounding, and every MoE layer's inputs route to the same experts on both (so the small GEMM-order
     differences never flipped a choice: the comparison is at equal routing; the Triton router itself is checked
-    against the torch one above)."""
+    against the torch one above); each request's logits are the float32 naive model's on that request alone."""
     from redraft.engine.config import ModelConfig
     from redraft.engine.loader import load_model
     from redraft.kernels.attention import AttentionMetadata
@@ -345,6 +345,11 @@ def test_block_routing_model_on_triton_equals_torch(tiny_checkpoint):
     for a, b in zip(picked["torch"], picked["triton"]):
         assert torch.equal(a, b)
     assert rel(out["triton"], out["torch"]) < 1e-5
+    from naive_llada2 import NaiveLLaDA2  # and each request's rows against the naive model run on it alone
+
+    naive = NaiveLLaDA2(path, dtype=torch.float32)
+    for rows, seq in zip(out["triton"].cpu().split(lens), ids.cpu().split(lens)):
+        assert rel(rows, naive.forward_logits(seq)) < 1e-4
 
 
 def test_set_moe_experts_replaces_the_layer_impl(tiny):
