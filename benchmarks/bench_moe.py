@@ -437,8 +437,9 @@ def record_launches():
     from redraft.kernels import fp8_triton as ft
     from redraft.kernels import moe_triton as mt
 
-    names = {mt: ["_route_kernel", "_moe_count_kernel", "_moe_scan_kernel", "_moe_scatter_kernel",
-                  "_fused_moe_kernel", "_silu_mul_kernel", "_moe_reduce_kernel", "_block_gemm_kernel"],
+    names = {mt: ["_route_kernel", "_block_route_kernel", "_moe_count_kernel", "_moe_scan_kernel",
+                  "_moe_scatter_kernel", "_fused_moe_kernel", "_silu_mul_kernel", "_moe_reduce_kernel",
+                  "_block_gemm_kernel"],
              ft: ["_block_gemm_kernel"]}
     log: list = []
     saved = []
@@ -511,6 +512,10 @@ def _report_cases():
         cases.append((f"T={t} route", lambda logits=logits: mt.route_logits_triton(
             logits, torch.empty(e, device=meta), top_k=k, n_group=cfg.n_group, topk_group=cfg.topk_group,
             routed_scaling_factor=cfg.routed_scaling_factor)))
+        cases.append((f"T={t} block route", lambda t=t: mt.route_blocks_triton(  # LLaDA2.2's router, same shape
+            torch.empty(t, h, dtype=torch.bfloat16, device=meta), torch.empty(e, h, dtype=torch.bfloat16, device=meta),
+            torch.empty(e, device=meta), torch.empty(t, dtype=torch.int64, device=meta), top_k=k, capacity=48,
+            block_size=32, routed_scaling_factor=cfg.routed_scaling_factor)))
         xq = torch.empty(t, h, dtype=torch.bfloat16, device=meta)
         wq = torch.empty((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, h, dtype=FP8_DTYPE,
                          device=meta)

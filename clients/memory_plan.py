@@ -2,9 +2,9 @@
 weights per rank in bf16 and FP8, KV-cache bytes per token per rank, and how many tokens of KV fit next to the
 weights in a fraction of a GPU's memory. Computed from a config alone (no weights are read).
 
-    redraft plan                                          # LLaDA2.1-mini and -flash, TP 1/2/4/8, H100 and H200
+    redraft plan                                # LLaDA2.1-mini, -flash and LLaDA2.2-flash, TP 1/2/4/8, H100 and H200
     redraft plan --config path/to/config.json --tp 1 2
-    redraft plan --measure path/to/checkpoint --tp 1 2 4  # load rank 0 of each layout
+    redraft plan --measure path/to/checkpoint --tp 1 2 4        # load rank 0 of each layout
 
 The layout it assumes (the one docs/scaling.md describes): attention heads split over the TP ranks (KV heads
 too; with more ranks than KV heads each rank keeps one KV head, replicated), the dense MLP and the shared expert
@@ -37,6 +37,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_experts": 256,
                        "num_shared_experts": 1, "vocab_size": 157184, "tie_word_embeddings": False},
 }
+# LLaDA2.2-flash (shared/reference/llada22-decoding.md, "Checkpoint"): 2.1-flash's architecture with block routing
+# (48 of 256 experts admitted per 32-token routing block), a 128K context and rope_theta 3e6.
+PRESETS["LLaDA2.2-flash"] = {**PRESETS["LLaDA2.1-flash"], "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+                             "routed_scaling_factor": 2.5, "expert_capacity": 48, "block_size": 32,
+                             "max_position_embeddings": 131072, "rope_theta": 3e6, "delete_token_id": 156930,
+                             "split_token_id": 156931}
 GPUS_GIB = {"H100": 80.0, "H200": 141.0}  # HBM per GPU (GiB as nvidia-smi's MiB / 1024, rounded)
 FP8_BLOCK = 128
 
@@ -119,6 +125,35 @@ def markdown(name: str, cfg: dict[str, Any], tps: list[int], fraction: float) ->
     return "\n".join(lines)
 
 
+def context_line(cfg: dict[str, Any], tps: list[int], fraction: float) -> str | None:
+    """How many requests of the model's whole context (max_position_embeddings) the KV room of each layout holds,
+    on the first GPU of GPUS_GIB; None when the config does not say its context."""
+    ctx = cfg.get("max_position_embeddings")
+    if not ctx:
+        return None
+    gpu, gib = next(iter(GPUS_GIB.items()))
+    cells = []
+    for tp in tps:
+        r = plan_row(cfg, tp, gib, fraction)
+        cells.append(f"TP {tp}: {int(r['kv_tokens_bf16'] // ctx)} / {int(r['kv_tokens_fp8'] // ctx)}")
+    return f"Requests of the whole {ctx}-token context whose KV fits per {gpu} layout, bf16 / FP8: {', '.join(cells)}."
+
+
+def routing_line(cfg: dict[str, Any], tps: list[int]) -> str | None:
+    """Block routing (expert_capacity > 0): the routed-expert weights one routing block reads per MoE layer, and
+    the most of them one expert-parallel rank can be asked to read (the block's experts all on it)."""
+    cap, e = cfg.get("expert_capacity", 0), cfg["num_experts"]
+    if not cap:
+        return None
+    per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2  # bf16 bytes
+    worst = ", ".join(f"TP {tp}: {min(cap, e // tp)} of {e // tp}" for tp in tps)
+    return (f"Block routing: each {cfg.get('block_size', 32)}-token routing block admits {cap} of {e} experts, so a "
+            f"block reads at most {cap * per_expert / GIB:.2f} GiB of routed-expert weights per MoE layer in bf16 "
+            f"(under grouped routing its {cfg.get('block_size', 32)} tokens x top-{cfg['num_experts_per_tok']} may "
+            f"touch up to {min(e, cfg.get('block_size', 32) * cfg['num_experts_per_tok'])}); at most this many of one "
+            f"rank's experts serve one block: {worst}.")
+
+
 def _load_rank0(path: str, tp: int, dtype: str, out: Any) -> None:
     """In a fresh process: load rank 0's shard; report its weight bytes and the process's peak memory."""
     import time
@@ -171,6 +206,10 @@ def run_cli(args: argparse.Namespace) -> int:
     models = ({str(c): json.loads(c.read_text()) for c in args.config} if args.config else PRESETS)
     for name, cfg in models.items():
         print(markdown(name, cfg, args.tp, args.fraction))
+        for line in (context_line(cfg, args.tp, args.fraction), routing_line(cfg, args.tp)):
+            if line:
+                print()
+                print(line)
         print()
     return 0
 

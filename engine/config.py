@@ -99,12 +99,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.num_experts % self.n_group:
-            raise ValueError("num_experts must be a multiple of n_group")
-        if not 0 < self.topk_group <= self.n_group:
-            raise ValueError("topk_group must be in 1..n_group")
-        if self.num_experts_per_tok > (self.num_experts // self.n_group) * self.topk_group:
-            raise ValueError("num_experts_per_tok exceeds the experts available in topk_group groups")
+        if not self.block_routing:  # LLaDA2.2 keeps n_group / topk_group in its config but does not use them
+            self._validate_groups()
         if self.expert_capacity and not self.num_experts_per_tok <= self.expert_capacity <= self.num_experts:
             raise ValueError("expert_capacity must be in num_experts_per_tok..num_experts (or 0: grouped routing)")
         if self.block_size <= 0:
@@ -113,6 +109,15 @@ class ModelConfig:
             raise ValueError("delete_token_id and split_token_id come together (LLaDA2.2) or not at all")
         if self.rotary_dim % 2:
             raise ValueError("rotary dim (head_dim * partial_rotary_factor) must be even")
+
+    def _validate_groups(self) -> None:
+        """Grouped routing's settings (LLaDA2.0/2.1)."""
+        if self.num_experts % self.n_group:
+            raise ValueError("num_experts must be a multiple of n_group")
+        if not 0 < self.topk_group <= self.n_group:
+            raise ValueError("topk_group must be in 1..n_group")
+        if self.num_experts_per_tok > (self.num_experts // self.n_group) * self.topk_group:
+            raise ValueError("num_experts_per_tok exceeds the experts available in topk_group groups")
 
     def num_params(self) -> int:
         """Parameter count (all experts), for logs and benchmarks."""

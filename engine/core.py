@@ -154,7 +154,7 @@ class EngineCore:
         if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
             resolved = replace(resolved, seed=self._seeds.getrandbits(62))
         constraint = self._constraint(rid, len(ids), resolved) if resolved.grammar is not None else None
-        return Request(rid, ids, resolved, mask_id, self.tokenizer.eos_token_id, trace_edits=self.args.trace_edits,
+        return Request(rid, ids, resolved, mask_id, self.tokenizer.eos_token_ids, trace_edits=self.args.trace_edits,
                        constraint=constraint)
 
     def _constraint(self, rid: str, prompt_len: int, params: ResolvedParams) -> Constraint:
@@ -181,7 +181,7 @@ class EngineCore:
         except GrammarError as exc:
             log.warning("request %s: %s refused: %s", rid, field, exc)
             raise RequestError(str(exc), param=exc.param) from exc
-        return Constraint(matcher, prompt_len, frozenset(stop_ids(params, self.tokenizer.eos_token_id)),
+        return Constraint(matcher, prompt_len, frozenset(stop_ids(params, self.tokenizer.eos_token_ids)),
                           self.tokenizer.eos_token_id,
                           self.model_config.vocab_size, self._grammars.closers)
 

@@ -10,7 +10,8 @@ Rows past the real batch (N < bs) are padding: a one-block request at position 0
 all point at the scratch page (the KV page after the scheduler's pages, which no request ever owns), so
 padding writes land there and never touch a live request. The attention kernel reads each request's
 kv_len and page table from device memory and its grid depends only on bs, so one graph serves any context
-length. Batches that are not plain denoising steps (prefill chunks, a stale block in the window, multi-block
+length. LLaDA2.2's block routing labels each row's tokens from the static positions and cu_q inside the captured
+forward (`kernels/moe.py` `routing_blocks`): every row, padding included, is a routing block of its own. Batches that are not plain denoising steps (prefill chunks, a stale block in the window, multi-block
 windows, more than the largest bucket) run eagerly.
 
 Capture needs a forward without device->host syncs. The reference MoE (`moe_experts_torch`) loops over the

@@ -76,7 +76,8 @@ class LogitControls:
                 start = r.state.window_start * r.block_size
                 out_pos = torch.arange(start, start + row.shape[0], device=row.device) - r.prompt_len  # [L]
                 early = (out_pos < p.min_tokens).nonzero().flatten()
-                banned = [t for t in {self.eos_id, *p.stop_token_ids} if t < self.vocab_size]
+                eos = {r.eos_id} if isinstance(r.eos_id, int) else r.eos_id  # every EOS id of the checkpoint
+                banned = [t for t in {self.eos_id, *eos, *p.stop_token_ids} if t < self.vocab_size]
                 if len(early) and banned:
                     ids = torch.tensor(banned, dtype=torch.long, device=row.device)
                     row[early[:, None], ids[None, :]] = float("-inf")

@@ -1,8 +1,10 @@
 """The LLaDA2-MoE forward pass over a flat, ragged batch of query tokens with a paged block KV cache.
 
 Reads in one sitting: RMSNorm -> packed QKV -> per-head QK RMSNorm -> partial NeoX rotary -> block-causal
-paged attention -> output projection; then a dense SwiGLU (first layers) or the grouped-sigmoid MoE with a
-shared expert. Parameter layout is ours (packed/stacked at load); `engine/loader.py` maps official names.
+paged attention -> output projection; then a dense SwiGLU (first layers) or the sigmoid MoE with a shared expert
+(LLaDA2.0/2.1's grouped routing, or LLaDA2.2's block routing when the config has an `expert_capacity`: each
+token's routing block comes from the attention metadata, `kernels/moe.py` `routing_blocks`). Parameter layout is
+ours (packed/stacked at load); `engine/loader.py` maps official names.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch.nn as nn
 
 from redraft.engine.config import ModelConfig
 from redraft.kernels.attention import AttentionMetadata, paged_attention_torch
-from redraft.kernels.moe import compute_dtype, local_expert_ids, moe_experts_torch, route_torch, swiglu
+from redraft.kernels.moe import (compute_dtype, local_expert_ids, moe_experts_torch, route_layer_torch,
+                                routing_blocks, swiglu)
+from redraft.protocol.sampling_params import BLOCK_SIZE
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -102,9 +106,10 @@ class MoE(nn.Module):
         self.shared = DenseMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
         self.first_expert = 0  # expert parallelism: w13/w2 hold experts [first_expert, first_expert + len(w13))
         self.experts: Callable[..., torch.Tensor] = moe_experts_torch  # see LLaDA2Model.set_moe_experts
-        # The whole layer (routing, experts, shared expert) as fn(moe, x) when set, chosen by set_kernel_backend:
-        # the fused Triton MoE for "triton" (kernels/moe_triton.py), the W8A8 twin for e4m3 weights on "torch".
-        self.impl: Callable[["MoE", torch.Tensor], torch.Tensor] | None = None
+        # The whole layer (routing, experts, shared expert) as fn(moe, x, labels) when set, chosen by
+        # set_kernel_backend: the fused Triton MoE for "triton" (kernels/moe_triton.py), the W8A8 twin for e4m3
+        # weights on "torch". labels: each token's routing block (block routing), else None.
+        self.impl: Callable[["MoE", torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def set_kernel_backend(self, backend: str) -> None:
         if backend == "triton":
@@ -118,14 +123,12 @@ class MoE(nn.Module):
         else:
             self.impl = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H]; labels [T]: each token's routing block (`routing_blocks`), needed by block routing only."""
         if self.impl is not None:
-            return self.impl(self, x)
+            return self.impl(self, x, labels)
         c = self.cfg
-        topk_ids, topk_w = route_torch(
-            x, self.router, self.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
-            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
-        )
+        topk_ids, topk_w = route_layer_torch(self, x, labels)
         topk_ids = local_expert_ids(topk_ids, self.first_expert, self.w13.shape[0], c.num_experts)
         out = self.experts(x, self.w13, self.w2, topk_ids, topk_w)
         if self.shared is not None:
@@ -141,14 +144,19 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, meta, k_cache, v_cache, attend: AttentionFn) -> torch.Tensor:
+    def forward(self, h, meta, k_cache, v_cache, attend: AttentionFn, labels: torch.Tensor | None = None
+                ) -> torch.Tensor:
         h = h + self.attn(self.input_norm(h), meta, k_cache, v_cache, attend)
-        return h + self.mlp(self.post_norm(h))
+        x = self.post_norm(h)
+        return h + (self.mlp(x, labels) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 class LLaDA2Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.block_routing and BLOCK_SIZE % cfg.block_size:
+            # a forward computes whole blocks of BLOCK_SIZE positions; a routing block must never straddle two
+            raise ValueError(f"block routing needs a block_size that divides {BLOCK_SIZE}, not {cfg.block_size}")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, moe) for moe in cfg.is_moe_layer)
@@ -168,8 +176,9 @@ class LLaDA2Model(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
         h = self.embed(input_ids)
+        labels = routing_blocks(meta.positions, meta.cu_q, self.cfg.block_size) if self.cfg.block_routing else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, meta, k_cache[i], v_cache[i], self.attend)
+            h = layer(h, meta, k_cache[i], v_cache[i], self.attend, labels)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

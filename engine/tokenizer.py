@@ -184,14 +184,30 @@ def render_chat_template(template: str | jinja2.Template, messages: Sequence[Map
         _RENDER.deadline = None
 
 
+def generation_eos_ids(model_dir: str | Path) -> list[int]:
+    """The `eos_token_id` of a checkpoint's generation_config.json as a list: one id, or every id of a list
+    (LLaDA2.2-flash lists two, the second `<|role_end|>`); empty when the file or the key is absent."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"generation_config.json: eos_token_id must be a token id or a list of them, not {value!r}")
+    return ids
+
+
 class Tokenizer:
     """A checkpoint's tokenizer: byte-level BPE from `tokenizer.json` plus `tokenizer_config.json` metadata.
 
     Special-token ids are looked up by name in the vocabulary, never hard-coded: LLaDA2's `<|mask|>` id is
-    another token's id in the related Ling-2.0 tokenizer.
+    another token's id in the related Ling-2.0 tokenizer. `eos_token_ids`: every id that ends an output, the EOS
+    token and the ids generation_config.json's `eos_token_id` lists (`from_pretrained`).
     """
 
-    def __init__(self, tokenizer: _HFTokenizer, config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer: _HFTokenizer, config: Mapping[str, Any] | None = None,
+                 extra_eos_ids: Iterable[int] = ()) -> None:
         self._tok = tokenizer
         self.config: dict[str, Any] = dict(config or {})
         self.chat_template: str | None = self._read_chat_template(self.config.get("chat_template"))
@@ -213,6 +229,7 @@ class Tokenizer:
             raise ValueError(f"the tokenizer has no pad token {self.pad_token!r}")
         self.mask_token_id: int = mask_id
         self.eos_token_id: int = eos_id
+        self.eos_token_ids: frozenset[int] = frozenset({eos_id, *extra_eos_ids})  # each one a stop id
         self.pad_token_id: int = pad_id
         self.bos_token_id: int | None = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self._compiled_template: jinja2.Template | None = None
@@ -243,7 +260,7 @@ class Tokenizer:
             config["chat_template"] = jinja_path.read_text(encoding="utf-8")
         if chat_template is not None:
             config["chat_template"] = read_chat_template_arg(chat_template)
-        return cls(_HFTokenizer.from_file(str(tok_path)), config)
+        return cls(_HFTokenizer.from_file(str(tok_path)), config, generation_eos_ids(model_dir))
 
     # ----- basic encode / decode -----
     @property

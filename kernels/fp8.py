@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from redraft.kernels.moe import combine_experts_torch, compute_dtype, local_expert_ids, route_torch
+from redraft.kernels.moe import combine_experts_torch, compute_dtype, local_expert_ids, route_layer_torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -200,14 +200,11 @@ class Fp8DenseMLP(nn.Module):
         return swiglu_fp8_torch(x, self.gate_up, self.gate_up_scale, self.down, self.down_scale)
 
 
-def moe_forward_fp8_torch(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MoE layer with e4m3 experts on kernel_backend="torch" (`MoE.impl`): the torch router, the W8A8
-    experts twin, the shared expert (an Fp8DenseMLP)."""
+def moe_forward_fp8_torch(moe: nn.Module, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer with e4m3 experts on kernel_backend="torch" (`MoE.impl`): the torch router (grouped, or block
+    routing by `labels`), the W8A8 experts twin, the shared expert (an Fp8DenseMLP)."""
     c = moe.cfg
-    topk_ids, topk_w = route_torch(
-        x, moe.router, moe.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
-        topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
-    )
+    topk_ids, topk_w = route_layer_torch(moe, x, labels)
     topk_ids = local_expert_ids(topk_ids, moe.first_expert, moe.w13.shape[0], c.num_experts)
     out = moe_experts_fp8_torch(x, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, topk_ids, topk_w)
     if moe.shared is not None:

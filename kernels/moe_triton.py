@@ -3,6 +3,8 @@ spirit of Alpha-MoE, the unfused sequence for comparison, and a deterministic co
 
     route_triton(x, gate_weight, expert_bias, top_k=, n_group=, topk_group=, routed_scaling_factor=, ...)
         -> topk_ids [T, k] int64, topk_weights [T, k] fp32              twin: kernels/moe.py route_torch
+    route_blocks_triton(x, gate_weight, expert_bias, labels, top_k=, capacity=, block_size=, ...)
+        -> the same, LLaDA2.2's block routing                           twin: kernels/moe.py route_blocks_torch
     moe_align(topk_ids, num_experts, block_m, shared=) -> MoEPlan      (sorted pair list padded per expert)
     fused_moe(x, w13, w2, topk_ids, topk_weights, ...) -> [T, H]       twin: moe_experts_torch (+ shared)
     unfused_moe(...)                                                  same result, four launches
@@ -12,7 +14,10 @@ Routing. The router GEMM (x @ Wg^T, [T, E], fp32) is the same torch matmul as ro
 from bitwise-equal logits; `_route_kernel` then does sigmoid, + expert bias (selection only), per-group sum
 of the top-2 biased scores, the topk_group best groups, top-k experts among them, weights = unbiased scores
 / (their sum + 1e-20) x routed_scaling_factor. Ties break towards the lower index; ids come out in descending
-biased score, as torch.topk returns them.
+biased score, as torch.topk returns them. Block routing (`_block_route_kernel`, LLaDA2.2): one program per
+routing block (a run of equal labels, at most block_size tokens: launched per token, the ones that start no block
+return at once), which admits the block's `capacity` experts by their max-over-the-block biased score (one
+arg-max per admitted expert, ties to the lower id), then picks each token's top-k among them as above.
 
 Pairs. A token's j-th choice is pair p = t * K_OUT + j, K_OUT = k (+1 when the shared expert is folded in:
 slot k of every token is expert E with weight 1, "one more expert"). `moe_align` sorts the T * K_OUT pairs by
@@ -64,7 +69,8 @@ if HAS_TRITON:
 else:  # pragma: no cover
     triton = tl = None
 
-__all__ = ["route_triton", "route_logits_triton", "moe_align", "MoEPlan", "fused_moe", "unfused_moe",
+__all__ = ["route_triton", "route_logits_triton", "route_blocks_triton", "route_layer_triton", "moe_align", "MoEPlan",
+           "fused_moe", "unfused_moe",
            "moe_forward_triton", "fused_config", "FUSED_BUFFER_SHARE"]
 
 FUSED_BUFFER_SHARE = 0.15  # "auto": fused while its partial buffer traffic is under this share of expert bytes
@@ -173,6 +179,110 @@ def route_triton(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.
     return route_logits_triton(logits, expert_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
                                routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,
                                ids_dtype=ids_dtype)
+
+
+@_jit
+def _block_route_kernel(
+    Logits, Bias, Labels, Ids, Weights,  # [T, E] fp32, [E] fp32, [T] int64, [T, TOP_K] out, [T, TOP_K] out
+    n_tokens, stride_lt, stride_it, stride_wt, scaling,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, CAPACITY: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """LLaDA2.2's block routing: program t0 routes the block that starts at token t0 (and does nothing when t0
+    does not start one). A block is a run of equal labels, at most BLOCK_R tokens long."""
+    t0 = tl.program_id(0)
+    lab0 = tl.load(Labels + t0)
+    prev = tl.load(Labels + t0 - 1, mask=t0 > 0, other=0)
+    if (t0 == 0) | (prev != lab0):
+        r = tl.arange(0, BLOCK_R)
+        t = t0 + r
+        t_ok = t < n_tokens
+        lab = tl.load(Labels + t, mask=t_ok, other=0)
+        # the run of lab0 from t0 on: every row up to the first other label (or the batch's end)
+        in_blk = tl.cumsum(((lab != lab0) | (t >= n_tokens)).to(tl.int32), 0) == 0
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        neg = float("-inf")
+        logit = tl.load(Logits + t[:, None].to(tl.int64) * stride_lt + e[None, :],
+                        mask=in_blk[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-logit))  # sigmoid scores: the weights
+        b = s + tl.load(Bias + e, mask=e_ok, other=0.0).to(tl.float32)[None, :]  # biased: only to choose
+        b = tl.where(e_ok[None, :], b, neg)
+        # the block admits the CAPACITY experts with the largest max-over-its-tokens biased score (ties: lower id)
+        score = tl.reduce(tl.where(in_blk[:, None], b, neg), 0, _max_fn)  # [BLOCK_E]
+        score = tl.where(e_ok, score, neg)
+        admitted = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for _c in range(CAPACITY):
+            m = tl.reduce(score, 0, _max_fn)
+            i = tl.reduce(tl.where(score == m, e, BLOCK_E), 0, _min_fn)
+            admitted = tl.where(e == i, 1, admitted)
+            score = tl.where(e == i, neg, score)
+        cand = tl.where((admitted != 0)[None, :], b, neg)
+        # each token's top-k among them, best first; weights are the unbiased scores
+        kcol = tl.arange(0, BLOCK_K)
+        ids = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.int32)
+        wts = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            m = tl.reduce(cand, 1, _max_fn)
+            idx = tl.reduce(tl.where(cand == m[:, None], e[None, :], BLOCK_E), 1, _min_fn)
+            hit = e[None, :] == idx[:, None]
+            w = tl.reduce(tl.where(hit, s, 0.0), 1, _sum_fn)
+            cand = tl.where(hit, neg, cand)
+            ids = tl.where(kcol[None, :] == j, idx[:, None], ids)
+            wts = tl.where(kcol[None, :] == j, w[:, None], wts)
+            total += w
+        if NORM:
+            wts = wts / (total + 1e-20)[:, None]
+        wts = wts * scaling
+        mask = in_blk[:, None] & (kcol[None, :] < TOP_K)
+        tl.store(Ids + t[:, None].to(tl.int64) * stride_it + kcol[None, :], ids.to(Ids.dtype.element_ty), mask=mask)
+        tl.store(Weights + t[:, None].to(tl.int64) * stride_wt + kcol[None, :], wts.to(Weights.dtype.element_ty),
+                 mask=mask)
+
+
+def route_blocks_triton(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias: torch.Tensor, labels: torch.Tensor,
+                        *, top_k: int, capacity: int, block_size: int, routed_scaling_factor: float,
+                        norm_topk_prob: bool = True, ids_dtype: torch.dtype = torch.int64
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for `route_blocks_torch`: the router GEMM in fp32 (torch), then `_block_route_kernel`, one program
+    per token (those that start no block return at once). `labels` [T]: each token's routing block, a block's
+    tokens contiguous and at most `block_size` of them (as `routing_blocks` labels a forward). Sync-free."""
+    check_device(x)
+    rdt = compute_dtype(x.dtype)
+    if rdt != torch.float32:
+        raise TypeError(f"the Triton router takes fp32/fp16/bf16 inputs, got {x.dtype}")
+    logits = x.to(rdt) @ gate_weight.to(rdt).t()  # [T, E]
+    t, e = logits.shape
+    if not top_k <= capacity <= e:
+        raise ValueError(f"expert capacity {capacity} must be in top_k ({top_k})..experts ({e})")
+    ids = torch.empty(t, top_k, dtype=ids_dtype, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return ids, weights
+    labels = labels.to(torch.int64).contiguous()
+    _block_route_kernel[(t,)](
+        logits, expert_bias.float().contiguous(), labels, ids, weights, t, logits.stride(0), ids.stride(0),
+        weights.stride(0), float(routed_scaling_factor), E=e, BLOCK_E=next_pow2(e), CAPACITY=capacity, TOP_K=top_k,
+        BLOCK_K=next_pow2(top_k), NORM=bool(norm_topk_prob), BLOCK_R=next_pow2(block_size), num_warps=8,
+    )
+    return ids, weights
+
+
+def route_layer_triton(moe: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton twin of `route_layer_torch`: block routing when the layer's config has an expert capacity,
+    grouped routing otherwise."""
+    c = moe.cfg
+    if c.expert_capacity > 0:
+        if labels is None:
+            raise ValueError("block routing (expert_capacity > 0) needs each token's routing block")
+        return route_blocks_triton(x, moe.router, moe.expert_bias, labels, top_k=c.num_experts_per_tok,
+                                   capacity=c.expert_capacity, block_size=c.block_size,
+                                   routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob)
+    return route_triton(x, moe.router, moe.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
+                        topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
+                        norm_topk_prob=c.norm_topk_prob)
 
 
 # ---- token -> expert sort and alignment ---------------------------------------------------------------
@@ -689,14 +799,12 @@ def folded_shared(moe: torch.nn.Module) -> SharedExpert | None:
     return SharedExpert(sh.gate_up, sh.down, getattr(sh, "gate_up_scale", None), getattr(sh, "down_scale", None))
 
 
-def moe_forward_triton(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The whole MoE layer for kernel_backend="triton" (`MoE.impl`): Triton router, fused experts with the
-    shared expert folded in, deterministic combine. `moe.moe_method` (default "auto") picks fused/unfused."""
+def moe_forward_triton(moe: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole MoE layer for kernel_backend="triton" (`MoE.impl`): Triton router (grouped, or block routing by
+    `labels`), fused experts with the shared expert folded in, deterministic combine. `moe.moe_method` (default
+    "auto") picks fused/unfused."""
     c = moe.cfg
-    topk_ids, topk_w = route_triton(
-        x, moe.router, moe.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
-        routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
-    )
+    topk_ids, topk_w = route_layer_triton(moe, x, labels)
     topk_ids = local_expert_ids(topk_ids, moe.first_expert, moe.w13.shape[0], c.num_experts)
     shared = folded_shared(moe)
     out = fused_moe(x, moe.w13, moe.w2, topk_ids, topk_w, w13_scale=getattr(moe, "w13_scale", None),

@@ -71,9 +71,11 @@ class DecodeStats:
     blocks: int = 0  # blocks finished
 
 
-def stop_ids(params: ResolvedParams, eos_id: int) -> set[int]:
-    """The token ids that end a request's output."""
-    return set(params.stop_token_ids) | (set() if params.ignore_eos else {eos_id})
+def stop_ids(params: ResolvedParams, eos_id: int | frozenset[int]) -> set[int]:
+    """The token ids that end a request's output: its stop_token_ids and, unless ignore_eos, the EOS id or ids
+    (a checkpoint's generation_config.json may list several: each one ends it)."""
+    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,7 +87,7 @@ class RequestInputs:
     prompt_ids: tuple[int, ...]
     params: ResolvedParams
     mask_id: int
-    eos_id: int
+    eos_id: int | frozenset[int]  # the EOS id, or every id that is one (Tokenizer.eos_token_ids)
     block_size: int = BLOCK_SIZE
     uid: int = field(default_factory=lambda: next(_UIDS), init=False)
 
@@ -178,7 +180,7 @@ class Request(RequestInputs):
     """A request's inputs, its decoding state (`state`) and the scheduler's bookkeeping (`book`)."""
 
     def __init__(self, rid: str, prompt_ids: list[int] | tuple[int, ...], params: ResolvedParams, mask_id: int,
-                 eos_id: int, block_size: int = BLOCK_SIZE, *, trace_edits: bool = False,
+                 eos_id: int | frozenset[int], block_size: int = BLOCK_SIZE, *, trace_edits: bool = False,
                  constraint: object | None = None):
         super().__init__(rid, tuple(prompt_ids), params, mask_id, eos_id, block_size)
         self.state = DecodeState(list(self.prompt_ids), self.first_block, self.first_block,

@@ -136,7 +136,7 @@ def openai_finish(finish: dict | None) -> str:
 
 def parse_tool_calls(state: ServerState, out: OutputStream) -> tuple[str | None, list[dict] | None]:
     """Split `<tool_call>{json}</tool_call>` blocks out of the output. Returns (content, tool_calls)."""
-    ids = [t for t in out.ids if t != state.tokenizer.eos_token_id]
+    ids = [t for t in out.ids if t not in state.tokenizer.eos_token_ids]
     raw = state.tokenizer.decode(ids, skip_special_tokens=False)
     calls = []
     for body in TOOL_CALL_RE.findall(raw):

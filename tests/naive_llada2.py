@@ -3,7 +3,8 @@
 This file is what the engine is tested against. It shares no code with `redraft` (only torch,
 safetensors and json) and favours "obviously right" over fast: every forward recomputes the whole
 sequence, there is no cache, no batching, no fused op. Spec: the LLaDA2.1 tech report and model cards (the
-forward pass and the official generate() loop; engine/decoding.py's docstring restates the loop).
+forward pass and the official generate() loop; engine/decoding.py's docstring restates the loop); for LLaDA2.2's
+block routing (`expert_capacity` in config.json), the LLaDA2.2 page's "Block routing".
 
 Decisions taken where the facts leave room (the lead's choices, keep them in step with the engine):
 - blocks run from P // 32 to (P + max_new_tokens - 1) // 32 inclusive;
@@ -118,6 +119,39 @@ def route(
     return idx, weights * routed_scaling_factor
 
 
+def block_route(
+    scores: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    *,
+    block_size: int,
+    capacity: int,
+    top_k: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaDA2.2 block routing of ONE sequence whose tokens sit at positions 0..T-1 (the LLaDA2.2 page, "Block
+    routing"): the tokens at positions [k*R, (k+1)*R) form routing block k; the block admits the `capacity` experts
+    whose best biased score over its tokens is largest, and each token picks its top_k biased scores among those.
+    Ties go to the lower expert id. Plain Python over blocks, tokens and experts, on purpose.
+
+    scores: [T, E] unbiased sigmoid scores s. Returns (idx [T, top_k], weights [T, top_k])."""
+    t_len, n_exp = scores.shape
+    biased = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)  # [T, E]
+    rows = biased.tolist()
+    idx = torch.zeros(t_len, top_k, dtype=torch.long)
+    for start in range(0, t_len, block_size):
+        block = rows[start : start + block_size]
+        best = [max(row[e] for row in block) for e in range(n_exp)]
+        admitted = sorted(range(n_exp), key=lambda e: (-best[e], e))[:capacity]
+        for j, row in enumerate(block):
+            chosen = sorted(admitted, key=lambda e: (-row[e], e))[:top_k]
+            idx[start + j] = torch.tensor(chosen)
+    weights = scores.gather(1, idx)  # [T, k], unbiased
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx, weights * routed_scaling_factor
+
+
 # ----------------------------------------------------------------------------------------------
 # the model
 # ----------------------------------------------------------------------------------------------
@@ -170,6 +204,9 @@ class NaiveLLaDA2:
         self.top_k: int = c["num_experts_per_tok"]
         self.scale_routed: float = float(c.get("routed_scaling_factor", 1.0))
         self.norm_topk_prob: bool = c.get("norm_topk_prob", True)
+        # LLaDA2.2: experts admitted per routing block of `route_block` positions (0 or absent: grouped routing)
+        self.expert_capacity: int = c.get("expert_capacity", 0) or 0
+        self.route_block: int = c.get("block_size", BLOCK) or BLOCK
         if "lm_head.weight" not in self.w and c.get("tie_word_embeddings", False):
             self.w["lm_head.weight"] = self.w["model.word_embeddings.weight"]
 
@@ -216,15 +253,26 @@ class NaiveLLaDA2:
         # router in fp32 (float64 when the model is float64)
         logits = x.to(self.router_dtype) @ self.w[p + ".gate.weight"].T  # [T, E]
         scores = torch.sigmoid(logits)
-        idx, weights = route(
-            scores,
-            self.w.get(p + ".gate.expert_bias"),
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-            top_k=self.top_k,
-            routed_scaling_factor=self.scale_routed,
-            norm_topk_prob=self.norm_topk_prob,
-        )  # [T, k], [T, k]
+        if self.expert_capacity > 0:  # LLaDA2.2: the sequence's tokens sit at positions 0..T-1
+            idx, weights = block_route(
+                scores,
+                self.w.get(p + ".gate.expert_bias"),
+                block_size=self.route_block,
+                capacity=self.expert_capacity,
+                top_k=self.top_k,
+                routed_scaling_factor=self.scale_routed,
+                norm_topk_prob=self.norm_topk_prob,
+            )
+        else:
+            idx, weights = route(
+                scores,
+                self.w.get(p + ".gate.expert_bias"),
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+                top_k=self.top_k,
+                routed_scaling_factor=self.scale_routed,
+                norm_topk_prob=self.norm_topk_prob,
+            )  # [T, k], [T, k]
         # plain loop over experts: routed[t, j] = expert idx[t, j] applied to token t
         routed = torch.zeros(T, self.top_k, x.shape[1], dtype=self.router_dtype)  # [T, k, H]
         n_experts = self.w[p + ".gate.weight"].shape[0]

@@ -302,6 +302,38 @@ def test_fp8_engine_on_the_triton_backend(tiny):
     assert eng.tokenizer.mask_token_id not in out["output_ids"]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_layer_routes_by_block(tiny_checkpoint, backend):
+    """FP8 on a block-routing (LLaDA2.2) checkpoint: the e4m3 MoE layer, torch twin and fused Triton alike, equals
+    the W8A8 experts applied with the naive twin's block routing of a packed batch (request by request), plus the
+    shared expert."""
+    from naive_llada2 import block_route
+
+    from redraft.engine.config import ModelConfig
+    from redraft.engine.loader import load_model
+    from redraft.kernels.moe import routing_blocks
+
+    path = tiny_checkpoint(seed=0, config_overrides={"expert_capacity": 3})
+    cfg = ModelConfig.from_pretrained(path)
+    model = load_model(path, cfg, dtype=torch.float32, device=DEVICE, quantization="fp8", progress=False)
+    model.set_kernel_backend(backend)
+    moe = model.layers[1].mlp
+    assert moe.w13.dtype == q.FP8_DTYPE
+    lens = [20, 44, 33]  # prefills from position 0, packed
+    pos = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    cu = torch.tensor([0, 20, 64, 97], device=DEVICE)
+    x = torch.randn(97, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.inference_mode():
+        got = moe(x, routing_blocks(pos, cu, 32))
+        scores = torch.sigmoid(x.double() @ moe.router.double().t()).cpu()
+        parts = [block_route(s, moe.expert_bias.double().cpu(), block_size=32, capacity=3, top_k=2,
+                             routed_scaling_factor=cfg.routed_scaling_factor) for s in scores.split(lens)]
+        ids = torch.cat([i for i, _ in parts]).to(DEVICE)
+        wts = torch.cat([w for _, w in parts]).float().to(DEVICE)
+        want = q.moe_experts_fp8_torch(x, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, ids, wts) + moe.shared(x)
+    assert rel(got, want) < 2e-6
+
+
 def test_cli_quantization_flag(tiny, capsys):
     from redraft.cli import main
 

@@ -53,6 +53,21 @@ def test_official_tensors_land_in_packed_and_stacked_parameters(tiny: Path):
     assert set(expected_tensors(cfg)) == set(raw)
 
 
+def test_a_22_checkpoint_loads_with_the_21_tensor_names(tiny: Path, tiny_checkpoint):
+    """A LLaDA2.2 config.json (expert_capacity, block_size, delete/split ids, a 128K context, rope_theta 3e6 and an
+    n_group grouped routing could not take) over the same tensors: the loader takes it, every parameter lands
+    where 2.1's does."""
+    overrides = {"expert_capacity": 4, "block_size": 32, "delete_token_id": 440, "split_token_id": 441,
+                 "max_position_embeddings": 131072, "rope_theta": 3e6, "n_group": 3, "topk_group": 5}
+    path = tiny_checkpoint(seed=7, config_overrides=overrides)
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.block_routing and cfg.structural_edits and (cfg.delete_token_id, cfg.split_token_id) == (440, 441)
+    assert set(expected_tensors(cfg)) == set(load_file(str(path / "model.safetensors")))
+    got = load_model(path, cfg, progress=False).state_dict()
+    want = load_model(tiny, ModelConfig.from_pretrained(tiny), progress=False).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_checkpoints_load_into_any_dtype(tiny_checkpoint, dtype: str):
     path = tiny_checkpoint(seed=1, dtype=dtype)

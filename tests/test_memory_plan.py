@@ -61,5 +61,24 @@ def test_redraft_plan_prints_the_tables(capsys) -> None:
 
     assert main(["plan", "--tp", "1", "8"]) == 0
     out = capsys.readouterr().out
-    assert "**LLaDA2.1-mini**" in out and "**LLaDA2.1-flash**" in out
-    assert sum(line.startswith(("| 1 |", "| 8 |")) for line in out.splitlines()) == 4
+    assert "**LLaDA2.1-mini**" in out and "**LLaDA2.1-flash**" in out and "**LLaDA2.2-flash**" in out
+    assert sum(line.startswith(("| 1 |", "| 8 |")) for line in out.splitlines()) == 2 * len(PRESETS)
+    assert "Block routing: each 32-token routing block admits 48 of 256 experts" in out
+
+
+def test_the_22_flash_preset_is_a_valid_block_routing_config() -> None:
+    """LLaDA2.2-flash (the LLaDA2.2 page's values): a config redraft loads as block routing, 2.1-flash's weights
+    (block routing adds no parameter), and full-context requests counted from the KV room of each layout."""
+    from redraft.clients.memory_plan import context_line
+    from redraft.engine.config import ModelConfig
+
+    flash22, flash21 = PRESETS["LLaDA2.2-flash"], PRESETS["LLaDA2.1-flash"]
+    cfg = ModelConfig.from_dict({**flash22, "intermediate_size": 9216})
+    assert cfg.block_routing and cfg.structural_edits
+    assert (cfg.expert_capacity, cfg.block_size, cfg.max_position_embeddings, cfg.rope_theta) == (48, 32, 131072, 3e6)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts) == (4096, 32, 256)
+    assert parameter_parts(flash22) == parameter_parts(flash21)
+    four = plan_row(flash22, 4, 80.0)
+    assert four == plan_row(flash21, 4, 80.0)
+    line = context_line(flash22, [4], 0.85)
+    assert f"TP 4: {int(four['kv_tokens_bf16'] // 131072)} / {int(four['kv_tokens_fp8'] // 131072)}" in line

@@ -13,6 +13,7 @@ with a CUDA device the same tests run compiled. Shapes stay tiny: the interprete
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -73,6 +74,54 @@ def test_route_bias_only_selects():
                                norm_topk_prob=False)
     assert (ids[:, 0] == 5).all()
     torch.testing.assert_close(wts[:, 0], torch.sigmoid(x @ w.t())[:, 5], rtol=1e-6, atol=1e-6)
+
+
+# ---- block routing (LLaDA2.2) ---------------------------------------------------------------------------
+BLOCK_ROUTES = [  # query lengths, first positions, hidden, experts, top_k, capacity, routing block
+    ([20, 64, 7], [32, 0, 64], 64, 8, 2, 3, 32),  # the tiny checkpoints with expert_capacity 3
+    ([33, 32], [0, 96], 32, 256, 8, 48, 32),  # LLaDA2.2-flash's router (256 experts, 48 per block, top-8)
+    ([5, 40], [16, 0], 16, 16, 3, 16, 16),  # capacity = every expert (plain top-k), a 16-position block
+]
+
+
+@pytest.mark.parametrize("lens,starts,h,e,k,cap,r", BLOCK_ROUTES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_route_matches_reference(lens, starts, h, e, k, cap, r, dtype):
+    """The Triton block router against route_blocks_torch on a packed, ragged batch: the same ids in the same
+    order, weights to fp32 rounding."""
+    from redraft.kernels.moe import route_blocks_torch, routing_blocks
+
+    g = torch.Generator().manual_seed(e + cap)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    labels = routing_blocks(pos, cu, r).to(DEVICE)
+    x = torch.randn(pos.numel(), h, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(e, h, generator=g).to(dtype).to(DEVICE)
+    bias = (torch.randn(e, generator=g) * 0.05).to(DEVICE)
+    kw = dict(top_k=k, capacity=cap, routed_scaling_factor=2.5)
+    want_ids, want_w = route_blocks_torch(x, w, bias, labels, **kw)
+    got_ids, got_w = mt.route_blocks_triton(x, w, bias, labels, block_size=r, **kw)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-6)
+
+
+def test_block_route_ties_and_isolation():
+    """All-equal scores: every block admits experts 0..capacity-1, every token takes 0..k-1 (lower ids win ties).
+    Then a request flooding experts 5-7 leaves the next request's routing alone (its own blocks)."""
+    from redraft.kernels.moe import routing_blocks
+
+    pos = torch.cat([torch.arange(20), torch.arange(44)])
+    labels = routing_blocks(pos, torch.tensor([0, 20, 64]), 32).to(DEVICE)
+    w = torch.eye(8, 16, device=DEVICE)
+    x = torch.zeros(64, 16, device=DEVICE)
+    bias = torch.zeros(8, device=DEVICE)
+    kw = dict(top_k=2, capacity=3, block_size=32, routed_scaling_factor=1.0)
+    ids, _ = mt.route_blocks_triton(x, w, bias, labels, **kw)
+    assert ids.tolist() == [[0, 1]] * 64
+    x[:20, 5:8] = 10.0
+    ids, _ = mt.route_blocks_triton(x, w, bias, labels, **kw)
+    assert ids[:20].tolist() == [[5, 6]] * 20 and ids[20:].tolist() == [[0, 1]] * 44
 
 
 # ---- the plan -----------------------------------------------------------------------------------------
@@ -243,7 +292,7 @@ def test_engine_with_fused_moe_reproduces_torch_tokens(tiny):
     assert moes and all(m.impl is moe_forward_triton for m in moes)
     calls = []
     for m in moes:
-        m.impl = lambda moe, x, _f=moe_forward_triton: calls.append(x.shape[0]) or _f(moe, x)
+        m.impl = lambda moe, x, labels, _f=moe_forward_triton: calls.append(x.shape[0]) or _f(moe, x, labels)
     specials = {t["id"] for t in json.loads((tiny / "tokenizer.json").read_text())["added_tokens"]}
     rng = random.Random(1234)
     ordinary = [i for i in range(ref.model_config.vocab_size) if i not in specials]
@@ -258,6 +307,49 @@ def test_engine_with_fused_moe_reproduces_torch_tokens(tiny):
         assert b["meta_info"]["steps"] == a["meta_info"]["steps"], f"prompt of {n} tokens"
     ref.shutdown()
     tri.shutdown()
+
+
+def test_block_routing_model_on_triton_equals_torch(tiny_checkpoint):
+    """A block-routing checkpoint's forward on kernel_backend="triton" (Triton attention, block router and fused
+    MoE, interpreted) against the torch backend, float32, on a packed batch of ragged prefills: the logits agree to
+    fp32 rounding, and every MoE layer's inputs route to the same experts on both (so the small GEMM-order
+    differences never flipped a choice: the comparison is at equal routing; the Triton router itself is checked
+    against the torch one above); each request's logits are the float32 naive model's on that request alone."""
+    from redraft.engine.config import ModelConfig
+    from redraft.engine.loader import load_model
+    from redraft.kernels.attention import AttentionMetadata
+    from redraft.kernels.moe import route_layer_torch
+
+    path = tiny_checkpoint(seed=0, config_overrides={"expert_capacity": 3})
+    cfg = ModelConfig.from_pretrained(path)
+    lens = [40, 64, 7]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 300, (sum(lens),), generator=g).to(DEVICE)
+    out, picked = {}, {}
+    for backend in ("torch", "triton"):
+        model = load_model(path, cfg, dtype=torch.float32, device=DEVICE, progress=False)
+        model.set_kernel_backend(backend)
+        meta = AttentionMetadata.build([0] * 3, lens, [[0, 1], [2, 3], [4]], 32, DEVICE,
+                                       with_torch_plan=backend == "torch")
+        shape = (cfg.num_hidden_layers, 5, 32, cfg.num_key_value_heads, cfg.head_dim)
+        cache = [torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE)]
+        seen = []
+        for layer in model.layers:
+            if hasattr(layer.mlp, "impl"):
+                layer.mlp.register_forward_hook(
+                    lambda m, args, _o: seen.append(route_layer_torch(m, args[0], args[1])[0]))
+        with torch.inference_mode():
+            out[backend] = model.logits(model(ids, meta, *cache))
+        picked[backend] = seen
+    assert len(picked["torch"]) == cfg.num_hidden_layers - cfg.first_k_dense_replace
+    for a, b in zip(picked["torch"], picked["triton"]):
+        assert torch.equal(a, b)
+    assert rel(out["triton"], out["torch"]) < 1e-5
+    from naive_llada2 import NaiveLLaDA2  # and each request's rows against the naive model run on it alone
+
+    naive = NaiveLLaDA2(path, dtype=torch.float32)
+    for rows, seq in zip(out["triton"].cpu().split(lens), ids.cpu().split(lens)):
+        assert rel(rows, naive.forward_logits(seq)) < 1e-4
 
 
 def test_set_moe_experts_replaces_the_layer_impl(tiny):
@@ -279,8 +371,9 @@ def test_set_moe_experts_replaces_the_layer_impl(tiny):
     assert moe.impl is moe_forward_triton
 
 
+@pytest.mark.parametrize("routing", ["grouped", "block"])
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_layer_has_no_host_sync_on_meta(quantization):
+def test_layer_has_no_host_sync_on_meta(quantization, routing):
     """CUDA-graph capturability of the MoE layer and the FP8 linears: the forward DecodeGraphs captures, at the
     real LLaDA2.1-mini shape in bf16, on the meta device (any .item()/.tolist()/nonzero raises there), with the
     Triton kernels recorded instead of launched (their grids must come from shapes alone). Attention is stubbed
@@ -293,6 +386,8 @@ def test_layer_has_no_host_sync_on_meta(quantization):
 
     record_launches = bench_module("bench_moe").record_launches
     cfg = bench_module("bench_gpu_step").model_config("mini")
+    if routing == "block":  # LLaDA2.2's router on the same shape (routing blocks from the graph's metadata)
+        cfg = dataclasses.replace(cfg, expert_capacity=48)
     model = build_model(cfg, torch.bfloat16, "meta", quantization)
     model.set_kernel_backend("triton")
     model.attend = lambda q, k, v, k_cache, v_cache, meta: torch.empty_like(q)
@@ -314,7 +409,8 @@ def test_layer_has_no_host_sync_on_meta(quantization):
     finally:
         mt.check_device, ft.check_device = check
     names = {kernel.__name__ for kernel, *_ in log}
-    assert {"_route_kernel", "_moe_scan_kernel", "_fused_moe_kernel", "_moe_reduce_kernel"} <= names
+    router = "_route_kernel" if routing == "grouped" else "_block_route_kernel"
+    assert {router, "_moe_scan_kernel", "_fused_moe_kernel", "_moe_reduce_kernel"} <= names
     if quantization:
         assert "_block_gemm_kernel" in names  # the FP8 attention / dense linears
     fused = [(grid, kw) for kernel, grid, _, kw in log if kernel.__name__ == "_fused_moe_kernel"]

@@ -155,6 +155,24 @@ def test_serve_with_two_ranks_answers_as_one_process_and_fails_fast_when_a_rank_
     assert not any(still_running(p, s) for p, s in srv.seen_descendants.items())
 
 
+@pytest.mark.parametrize("ep", [1, 2], ids=["tp2", "tp2-ep2"])
+def test_block_routing_two_ranks_give_the_single_process_tokens(tiny_checkpoint, ep):
+    """A LLaDA2.2 block-routing checkpoint (expert_capacity 3 of 8): the router is replicated and every rank
+    labels the routing blocks from the same broadcast metadata, so the ranks route identically and a batch
+    (with its likelihood forwards) gives the single process's tokens and values."""
+    path = tiny_checkpoint(seed=1, config_overrides={"expert_capacity": 3})
+    with redraft.Engine(str(path), dtype="float64", progress=False) as one:
+        want = one.generate(input_ids=PROMPTS[:3], sampling_params=PARAMS[:3])
+        want_lp = one.prompt_logprobs(PROMPTS[3])
+    with redraft.Engine(str(path), dtype="float64", progress=False, tp_size=2, ep_size=ep) as two:
+        assert two.model_config.block_routing
+        got = two.generate(input_ids=PROMPTS[:3], sampling_params=PARAMS[:3])
+        got_lp = two.prompt_logprobs(PROMPTS[3])
+    for k, (a, b) in enumerate(zip(want, got)):
+        assert (b["output_ids"], b["meta_info"]["steps"]) == (a["output_ids"], a["meta_info"]["steps"]), k
+    assert [g[0] for g in got_lp[1:]] == pytest.approx([w[0] for w in want_lp[1:]], abs=1e-12)
+
+
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tiny_checkpoint):
     """A checkpoint FP8 can shard (head_dim 128, intermediates of 256: whole 128-blocks per rank), and the single
