@@ -34,4 +34,5 @@ def text_event(raw: dict, tokenizer, committed_ids: int, committed_text: str, in
                        "pieces": [piece(t) if s != "mask" else "" for t, s in zip(raw["tokens"], raw["states"])],
                        "replaced_pieces": [piece(t) for t in raw["replaced"]],
                        "block_size": raw["block_size"]},
+            "prompt_tokens": raw["prompt_tokens"],
             "committed_tokens": committed_ids, "committed_text": committed_text}

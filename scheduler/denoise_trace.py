@@ -74,7 +74,8 @@ class DenoiseTrace:
                     conf[i] = round(c, 4)
         replaced = [a if s == EDITED else None for a, s in zip(old[cut], states)]
         return {"forward": forward, "offset": lo - self.prompt_len, "tokens": new[cut], "states": states,
-                "confidence": conf, "replaced": replaced, "block_size": self.block_size}
+                "confidence": conf, "replaced": replaced, "block_size": self.block_size,
+                "prompt_tokens": self.prompt_len}
 
     def take_events(self) -> list[dict]:
         out, self.pending = self.pending, []
