@@ -22,6 +22,13 @@ def streaming_requests(items: list[WorkItem], updated: list[Request]) -> list[Re
     return out
 
 
+def commit_event(index: int, forwards: int, committed_ids: int, committed_text: str) -> dict:
+    """What a message without a forward committed: blocks that ended without another forward (max_post_steps
+    reached, or the request ended), so that the last event's committed text is always the answer's."""
+    return {"event": "commit", "index": index, "forward": forwards, "committed_tokens": committed_ids,
+            "committed_text": committed_text}
+
+
 def text_event(raw: dict, tokenizer, committed_ids: int, committed_text: str, index: int = 0) -> dict:
     """A forward event as clients get it: the engine's raw event (ids, states, confidences, replaced ids) with
     each window token's text piece, the replaced tokens' pieces, and the committed prefix so far (its token count

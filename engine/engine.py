@@ -118,7 +118,7 @@ class Engine:
             core.add_requests(list(zip(rids, id_lists, params)))  # all or nothing, scheduled side by side
             for i, (rid, p) in enumerate(zip(rids, params)):
                 streams[rid] = OutputStream(rid, self.tokenizer, p.stop, p.no_stop_trim, p.skip_special_tokens)
-                streams[rid].index = i
+                streams[rid].index, streams[rid].denoise = i, p.stream_denoise
             t0 = time.perf_counter()
             pending = set(streams)
             while pending:

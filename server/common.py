@@ -167,7 +167,7 @@ class ChoiceStream:
         rid = engine.rid
         shown = client_rid(rid) if state.api_keys else rid  # without keys no id is scoped
         self.out = OutputStream(shown, state.tokenizer, params.stop, params.no_stop_trim, params.skip_special_tokens)
-        self.out.index = index
+        self.out.index, self.out.denoise = index, params.stream_denoise
         self.sent_tokens = 0  # output tokens whose logprobs a stream has sent
         self.accepted: Accepted | None = None
 

@@ -1,0 +1,127 @@
+"""Watching the decoding (docs/denoise.md), in the offline Engine: `stream_denoise` gives one event per forward
+that ends on the answer and never revises a committed block, `return_step_maps` replays onto an all-mask canvas
+to the output, and neither changes what is decoded. Over S, Q, MBE windows, structured output, several prompts
+at once, sampling, and a stop string that ends the request early (an abort from the output side)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import redraft
+
+MASK_STATE = "mask"
+
+
+@pytest.fixture(scope="module")
+def tiny(ckpt: Path):
+    """The tiny random checkpoint: it drafts badly and edits a lot, so events and maps have edits to show."""
+    eng = redraft.Engine(model_path=str(ckpt), device="cpu", dtype="float32", progress=False)
+    yield eng
+    eng.shutdown()
+
+
+def check_events(out: dict, index: int = 0) -> None:
+    """The must-holds of one request's events (each from an independent angle: meta_info's step count, the
+    answer's text and ids)."""
+    meta = out["meta_info"]
+    assert all(e["index"] == index for e in out["denoise"])
+    assert out["denoise"][-1]["committed_text"] == out["text"]
+    assert out["denoise"][-1]["committed_tokens"] == len(out["output_ids"])
+    assert all(e["event"] == "commit" for e in out["denoise"] if e["event"] != "forward")
+    events = [e for e in out["denoise"] if e["event"] == "forward"]
+    assert len(events) == meta["steps"] > 0
+    assert [e["forward"] for e in events] == list(range(1, meta["steps"] + 1))
+    for a, b in zip(out["denoise"], out["denoise"][1:]):  # a committed block never changes afterwards
+        assert b["committed_text"].startswith(a["committed_text"])
+        assert b["committed_tokens"] >= a["committed_tokens"]
+        if "window" in b:
+            assert b["window"]["offset"] >= a["committed_tokens"]  # no later window reaches into it
+    for e in events:
+        w = e["window"]
+        n = len(w["tokens"])
+        assert len(w["states"]) == len(w["confidence"]) == len(w["pieces"]) == len(w["replaced"]) == n
+        for tok, state, conf, old in zip(w["tokens"], w["states"], w["confidence"], w["replaced"]):
+            assert state in ("mask", "drafted", "edited", "kept")
+            assert (state == "edited") == (old is not None)
+            if state in ("kept", "mask"):
+                assert conf is None
+        # the window's tokens after the last forward are the answer's wherever they are output
+    last = events[-1]["window"]
+    for i, tok in enumerate(last["tokens"]):
+        pos = last["offset"] + i
+        if pos < len(out["output_ids"]):
+            assert tok == out["output_ids"][pos]
+
+
+def replay(maps: dict, n_out: int) -> list[int]:
+    """Apply the step maps' placements and edits, forward by forward, to an all-mask canvas."""
+    mask = maps["mask_id"]
+    canvas = [mask] * n_out
+    changes = [(f, pos, mask, tok) for pos, (f, tok) in enumerate(maps["placed"])]
+    changes += [(f, pos, old, new) for pos, f, old, new in maps["edits"]]
+    for f, pos, old, new in sorted(changes, key=lambda c: c[0]):
+        assert canvas[pos] == old, f"forward {f}, position {pos}: the map says it held {old}, not {canvas[pos]}"
+        canvas[pos] = new
+    return canvas
+
+
+def check_maps(out: dict) -> None:
+    maps, meta = out["meta_info"]["step_maps"], out["meta_info"]
+    assert len(maps["placed"]) == len(out["output_ids"])
+    assert replay(maps, len(out["output_ids"])) == out["output_ids"]
+    forwards = [p[0] for p in maps["placed"]] + [e[1] for e in maps["edits"]]
+    assert all(1 <= f <= meta["steps"] for f in forwards)
+    for first, last in maps["blocks"]:
+        assert 1 <= first <= last <= meta["steps"]
+
+
+CASES = [dict(mode="S"), dict(mode="Q"), dict(mode="Q", mbe_window=3), dict(mode="S", mbe_window=2),
+         dict(mode="Q", temperature=0.8, seed=5), dict(threshold=0.9, edit_threshold=0.3, regex=r"[a-z ]{4,40}\.")]
+
+
+@pytest.mark.parametrize("params", CASES, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items())[:40])
+def test_events_and_maps_hold_and_change_nothing(tiny, params: dict) -> None:
+    prompts = [[5, 17, 33, 9], list(range(40, 75))]  # one short, one crossing a block boundary
+    base = dict(params, max_new_tokens=70)
+    plain = tiny.generate(input_ids=prompts, sampling_params=base)
+    seen: list[dict] = []
+    got = tiny.generate(input_ids=prompts, sampling_params=dict(base, stream_denoise=True, return_step_maps=True),
+                        on_event=seen.append)
+    for i, (g, p) in enumerate(zip(got, plain)):
+        assert (g["output_ids"], g["meta_info"]["steps"]) == (p["output_ids"], p["meta_info"]["steps"])
+        assert g["text"] == p["text"]
+        assert "step_maps" not in p["meta_info"] and "denoise" not in p
+        check_events(g, index=i)
+        check_maps(g)
+    assert len(seen) == sum(len(g["denoise"]) for g in got)  # on_event saw each as it came
+
+
+def test_the_tiny_model_drafts_and_edits(tiny) -> None:
+    """The checks above are not vacuous: the events show masks, drafts with confidences and edits with the
+    token they replaced, and the maps hold edits."""
+    out = tiny.generate(input_ids=[5, 17, 33, 9], sampling_params=dict(mode="Q", max_new_tokens=64, stream_denoise=True,
+                                                                      return_step_maps=True))
+    forwards = [e for e in out["denoise"] if e["event"] == "forward"]
+    states = [s for e in forwards for s in e["window"]["states"]]
+    assert {"mask", "drafted", "edited", "kept"} <= set(states)
+    confs = [c for e in forwards for c in e["window"]["confidence"] if c is not None]
+    assert confs and all(0.0 < c <= 1.0 for c in confs)
+    assert out["meta_info"]["step_maps"]["edits"]
+    assert out["meta_info"]["edits"] > 0
+
+
+def test_a_stop_string_cuts_the_events_where_it_cuts_the_answer(tiny) -> None:
+    """The output side ends the request at a stop string (an abort with the tokens to keep): the last event's
+    committed text is the answer's, cut there; every forward the engine ran has its event."""
+    full = tiny.generate(input_ids=[5, 17, 33, 9], sampling_params=dict(mode="S", max_new_tokens=96))
+    text = full["text"]
+    stop = text[len(text) // 3 : len(text) // 3 + 2]
+    assert stop.strip() and text.index(stop) < len(text) - 2
+    params = dict(mode="S", max_new_tokens=96, stop=[stop])
+    plain = tiny.generate(input_ids=[5, 17, 33, 9], sampling_params=params)
+    got = tiny.generate(input_ids=[5, 17, 33, 9], sampling_params=dict(params, stream_denoise=True))
+    assert got["text"] == plain["text"] and len(got["text"]) < len(text)
+    assert len([e for e in got["denoise"] if e["event"] == "forward"]) == got["meta_info"]["steps"]
+    assert got["denoise"][-1]["committed_text"] == plain["text"]
