@@ -20,6 +20,7 @@ VIEWPORT = {"width": 1280, "height": 760}
 # What the page keeps of each column (window.playground: the frames it drew, its counts, its final text).
 COLUMNS_JS = """() => window.playground.columns.map((c) => ({
   title: c.title, frames: c.frames, finalText: c.finalText, error: c.error, done: c.done,
+  framesWithMasks: c.framesWithMasks,
   counts: Object.fromEntries(["forwards", "tokens", "tpf", "edits"].map(
     (k) => [k, c.node.querySelector("." + k).textContent])),
 }))"""
@@ -30,9 +31,11 @@ SHOT_READY_JS = """(n) => window.playground.columns.length && window.playground.
   || (c.frames.length >= n && c.node.querySelectorAll('.window .cell.mask, .window .cell.edited').length >= 2))"""
 
 
-def run_playground(url: str, *, race: bool, prompt: str = PROMPT, speed: str = "0", api_key: str | None = None,
+def run_playground(url: str, *, race: bool, prompt: str = PROMPT, mode: str = "S", speed: str = "0",
+                   api_key: str | None = None,
                    screenshot: Path | None = None, shot_after_frames: int = 3, timeout_s: float = 60.0) -> dict:
-    """Open the page, type the prompt (and the key), press Run (or "S vs Q"), wait until it is done. Returns the
+    """Open the page, type the prompt (and the key), pick the mode, press Run (or "S vs Q"), wait until it is
+    done. Returns the
     columns the page drew and every console error it logged. `screenshot`: a PNG taken once every column has
     drawn `shot_after_frames` frames (mid-animation: masks and drafts show), else at the end."""
     from playwright.sync_api import sync_playwright  # the dev extra
@@ -52,6 +55,7 @@ def run_playground(url: str, *, race: bool, prompt: str = PROMPT, speed: str = "
                 page.dispatch_event("#api-key", "change")
             page.fill("#prompt", prompt)
             page.select_option("#speed", speed)
+            page.select_option("#mode", mode)
             page.click("#race" if race else "#run")
             if screenshot is not None and shot_after_frames:
                 page.wait_for_function(SHOT_READY_JS, arg=shot_after_frames)

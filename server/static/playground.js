@@ -60,7 +60,8 @@ function newColumn(title) {
   node.querySelector(".title").textContent = title;
   $("columns").appendChild(node);
   const column = { title, node, frames: [], forwards: 0, edits: 0, tokens: 0, committed: 0, masks: 0, text: "",
-    finalText: null, summary: null, error: null, done: false };
+    finalText: null, summary: null, error: null, done: false, seen: new Map(), seenEnd: 0,
+    framesWithMasks: 0 };
   state.columns.push(column);
   return column;
 }
@@ -109,7 +110,7 @@ function drawFrame(column, event) {
   let row = null;
   w.tokens.forEach((id, i) => {
     const pos = w.offset + i;
-    if (w.states[i] === "edited") column.edits += 1;
+    if (w.states[i] === "edited" && !event.opening) column.edits += 1;
     if (w.states[i] !== "mask") placed += 1;
     if (pos < event.committed_tokens) return;  // settled: shown in the committed text
     if (!row || (event.prompt_tokens + pos) % w.block_size === 0) {  // one row per block of the open window
@@ -120,10 +121,31 @@ function drawFrame(column, event) {
     row.appendChild(cell(w.pieces[i], w.states[i], w.confidence[i], w.replaced_pieces[i]));
   });
   column.masks = w.states.filter((s) => s === "mask").length;
+  if (holder.querySelector(".cell.mask")) column.framesWithMasks += 1;
   column.tokens = Math.max(column.tokens, w.offset + placed);
   const f = column.node.querySelector(".frame");
   f.textContent = "forward " + event.forward + (column.masks ? " \u00b7 " + column.masks + " masks left" : "");
   drawCounts(column);
+}
+
+// A block opens all-mask: before the first forward that shows new positions, a frame of them as grey cells
+// (drawn only; `frames` keeps the server's events).
+function openingFrame(column, event) {
+  const w = event.window;
+  if (w.offset + w.tokens.length <= column.seenEnd) return null;
+  const n = w.tokens.length;
+  const pieces = w.tokens.map((_, i) => column.seen.get(w.offset + i));
+  const states = pieces.map((p) => (p === undefined ? "mask" : "kept"));
+  return { ...event, event: "forward", forward: event.forward - 1, opening: true,
+    window: { ...w, states, pieces, confidence: Array(n).fill(null), replaced_pieces: Array(n).fill(null) } };
+}
+
+function rememberWindow(column, w) {
+  w.tokens.forEach((_, i) => {
+    if (w.states[i] === "mask") column.seen.delete(w.offset + i);
+    else column.seen.set(w.offset + i, w.pieces[i]);
+  });
+  column.seenEnd = Math.max(column.seenEnd, w.offset + w.tokens.length);
 }
 
 function drawCounts(column) {
@@ -150,8 +172,14 @@ async function runColumn(column, mode, prompt, signal) {
     if (chunk.error) throw new Error(chunk.error.message);
     const d = chunk.diffusion;
     if (d && (d.event === "forward" || d.event === "commit")) {
+      const opening = d.event === "forward" ? openingFrame(column, d) : null;
+      if (opening) {
+        drawFrame(column, opening);
+        if (delay) await sleep(delay);
+      }
       column.frames.push(d);
       drawFrame(column, d);
+      if (d.event === "forward") rememberWindow(column, d.window);
       if (delay) await sleep(delay);
     } else if (d && d.forwards != null) {
       column.summary = d;  // the usage chunk's figures for the whole request
