@@ -125,3 +125,37 @@ def test_a_stop_string_cuts_the_events_where_it_cuts_the_answer(tiny) -> None:
     assert got["text"] == plain["text"] and len(got["text"]) < len(text)
     assert len([e for e in got["denoise"] if e["event"] == "forward"]) == got["meta_info"]["steps"]
     assert got["denoise"][-1]["committed_text"] == plain["text"]
+
+
+def test_show_steps_draws_each_forward(tiny) -> None:
+    """The terminal view: one line per forward where stdout is no terminal; on a terminal each forward redraws
+    the picture in place (cursor back up, erase) and the picture is gone at the end."""
+    import io
+
+    from redraft.show_steps import StepPrinter
+
+    out = tiny.generate(input_ids=[5, 17, 33, 9], sampling_params=dict(mode="Q", max_new_tokens=64, stream_denoise=True))
+    plain, tty = io.StringIO(), io.StringIO()
+    lines, drawn = StepPrinter(plain, tty=False), StepPrinter(tty, tty=True)
+    for e in out["denoise"]:
+        lines(e)
+        drawn(e)
+    drawn.finish()
+    rows = plain.getvalue().splitlines()
+    assert len(rows) == len(out["denoise"]) and all(r.startswith("forward") for r in rows)
+    assert "[" in "".join(rows) and ">" in "".join(rows)  # edits as [old>new]
+    assert tty.getvalue().count("\x1b[J") == len(out["denoise"])  # every picture after the first, and the end
+
+
+def test_generate_command_shows_steps(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "redraft", "generate", "Count from 7 to 30.", "--show-steps"],
+                       capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
+                                                                         "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("7 8 9")
+    forwards = [ln for ln in r.stderr.splitlines() if ln.startswith("forward")]
+    summary = next(ln for ln in r.stderr.splitlines() if ln.startswith("["))
+    assert forwards and f"{len([f for f in forwards if 'without a forward' not in f])} forwards" in summary
