@@ -1,6 +1,7 @@
 """What watching the decoding costs (docs/denoise.md): `redraft.Engine` on a tiny model decodes a batch of greedy
 requests without the flags, with `return_step_maps`, and with `stream_denoise` (events built and passed to a
-callback), rounds alternating; tokens/s per round, median.
+callback), rounds alternating; output tokens per CPU second of this process (one thread: what other processes
+on a shared machine do barely moves it), median over the rounds, and wall-clock tokens/s beside it.
 
     python benchmarks/bench_denoise.py                       # batch 16, 64 new tokens, 5 rounds, one thread
     python benchmarks/bench_denoise.py --plain-only          # the no-flag row alone: runs on a tree before them
@@ -25,13 +26,13 @@ from redraft.engine.tiny import make_tiny_checkpoint
 VARIANTS = {"no flags": {}, "return_step_maps": {"return_step_maps": True}, "stream_denoise": {"stream_denoise": True}}
 
 
-def run_round(engine: Engine, prompts: list[list[int]], params: dict) -> tuple[float, int]:
-    """(seconds, output tokens) of one batch."""
+def run_round(engine: Engine, prompts: list[list[int]], params: dict) -> tuple[float, float, int]:
+    """(CPU seconds, wall seconds, output tokens) of one batch."""
     events: list[dict] = []
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params,
                            **({"on_event": events.append} if params.get("stream_denoise") else {}))
-    return time.perf_counter() - t0, sum(len(o["output_ids"]) for o in outs)
+    return time.process_time() - c0, time.perf_counter() - t0, sum(len(o["output_ids"]) for o in outs)
 
 
 def main() -> None:
@@ -51,20 +52,23 @@ def main() -> None:
         base = {"mode": "Q", "max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
         run_round(engine, prompts, base)  # warm-up
         rates: dict[str, list[float]] = {name: [] for name in variants}
+        walls: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, extra in variants.items():
-                secs, tokens = run_round(engine, prompts, {**base, **extra})
-                rates[name].append(tokens / secs)
+                cpu, wall, tokens = run_round(engine, prompts, {**base, **extra})
+                rates[name].append(tokens / cpu)
+                walls[name].append(tokens / wall)
         engine.shutdown()
     print(f"tiny model, batch {args.batch}, {args.new_tokens} new tokens, greedy Q, {args.rounds} rounds "
           f"alternating, {args.threads} thread(s), {platform.processor() or platform.machine()}, torch "
           f"{torch.__version__}\n")
-    print("| requests | tokens/s (median) | min | max | vs no flags |")
-    print("|---|---:|---:|---:|---:|")
+    print("| requests | tokens per CPU s (median) | min | max | vs no flags | wall tokens/s (median) |")
+    print("|---|---:|---:|---:|---:|---:|")
     plain = statistics.median(rates["no flags"])
     for name, r in rates.items():
         med = statistics.median(r)
-        print(f"| {name} | {med:.0f} | {min(r):.0f} | {max(r):.0f} | {med / plain - 1:+.1%} |")
+        print(f"| {name} | {med:.0f} | {min(r):.0f} | {max(r):.0f} | {med / plain - 1:+.1%} | "
+              f"{statistics.median(walls[name]):.0f} |")
 
 
 if __name__ == "__main__":

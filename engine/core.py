@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from redraft.engine.constrained import Constraint
+from redraft.engine.denoise_trace import streaming_requests
 from redraft.engine.faults import FaultInjector
 from redraft.engine.grammar import GrammarError, Grammars, max_output_tokens
 from redraft.engine.grammar_sandbox import GrammarSandbox
@@ -36,7 +37,6 @@ from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams, Samplin
 from redraft.protocol.server_args import ServerArgs
 from redraft.scheduler.request import FinishReason, Request, stop_ids
 from redraft.scheduler.scheduler import QueueFull, RequestTooLarge, StepOutput, WorkItem, describe, error_reason
-from redraft.engine.denoise_trace import streaming_requests
 
 log = logging.getLogger("redraft.engine")
 

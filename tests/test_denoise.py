@@ -159,3 +159,33 @@ def test_generate_command_shows_steps(tmp_path) -> None:
     forwards = [ln for ln in r.stderr.splitlines() if ln.startswith("forward")]
     summary = next(ln for ln in r.stderr.splitlines() if ln.startswith("["))
     assert forwards and f"{len([f for f in forwards if 'without a forward' not in f])} forwards" in summary
+
+
+def test_preemption_rolls_the_maps_back_and_renumbers_the_forwards(ckpt: Path, tiny) -> None:
+    """A KV cache far too small for the batch: blocks are preempted and start over. The step maps are those of
+    the roomy engine (what a preempted block recorded is dropped), and the events, kept last per forward number,
+    are the roomy engine's."""
+    prompts = [[5 + k, 17, 33, 9 + k] for k in range(6)]
+    params = dict(mode="Q", max_new_tokens=96, ignore_eos=True, return_step_maps=True, stream_denoise=True)
+    small = redraft.Engine(model_path=str(ckpt), device="cpu", dtype="float32", progress=False,
+                           max_total_tokens=8 * 32)
+    try:
+        got = small.generate(input_ids=prompts, sampling_params=params)
+        assert small.core.scheduler.num_preemptions > 0, "the cache was large enough: nothing was preempted"
+    finally:
+        small.shutdown()
+    want = tiny.generate(input_ids=prompts, sampling_params=params)
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        assert g["meta_info"]["step_maps"] == w["meta_info"]["step_maps"]
+        last = {e["forward"]: e for e in g["denoise"] if e["event"] == "forward"}
+        roomy = [e for e in w["denoise"] if e["event"] == "forward"]
+        assert sorted(last) == [e["forward"] for e in roomy]
+        for a, b in zip((last[f] for f in sorted(last)), roomy):
+            # the same decoding; p in float32 differs in the last digits with the batch's make-up
+            assert {**a["window"], "confidence": None} == {**b["window"], "confidence": None}
+            assert [c is None for c in a["window"]["confidence"]] == [c is None for c in b["window"]["confidence"]]
+            assert all(abs(x - y) < 1e-3 for x, y in zip(a["window"]["confidence"], b["window"]["confidence"])
+                       if x is not None)
+            assert (a["committed_tokens"], a["committed_text"]) == (b["committed_tokens"], b["committed_text"])
+        assert g["denoise"][-1]["committed_text"] == g["text"]
