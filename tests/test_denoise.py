@@ -189,3 +189,21 @@ def test_preemption_rolls_the_maps_back_and_renumbers_the_forwards(ckpt: Path, t
                        if x is not None)
             assert (a["committed_tokens"], a["committed_text"]) == (b["committed_tokens"], b["committed_text"])
         assert g["denoise"][-1]["committed_text"] == g["text"]
+
+
+def test_without_the_flags_nothing_more_is_read_or_recorded(tiny, monkeypatch) -> None:
+    """No stream_denoise row in a batch: the step's device read has no confidence columns (denoise_columns is never
+    called) and no request holds a recorder."""
+    import redraft.engine.model_runner as runner_module
+    from redraft.scheduler.request import Request
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("confidences read back for a batch that did not ask")
+
+    traces: list[object] = []
+    apply_step = Request.apply_step
+    monkeypatch.setattr(runner_module, "denoise_columns", refuse)
+    monkeypatch.setattr(Request, "apply_step", lambda self, *a, **k: (traces.append(self.state.trace),
+                                                                      apply_step(self, *a, **k))[1])
+    out = tiny.generate(input_ids=[[5, 17, 33, 9], list(range(40, 75))], sampling_params=dict(max_new_tokens=40))
+    assert all(o["output_ids"] for o in out) and traces and all(t is None for t in traces)
