@@ -207,3 +207,30 @@ def test_without_the_flags_nothing_more_is_read_or_recorded(tiny, monkeypatch) -
                                                                       apply_step(self, *a, **k))[1])
     out = tiny.generate(input_ids=[[5, 17, 33, 9], list(range(40, 75))], sampling_params=dict(max_new_tokens=40))
     assert all(o["output_ids"] for o in out) and traces and all(t is None for t in traces)
+
+
+def test_an_aborted_request_ends_its_events_on_what_it_committed(tiny) -> None:
+    """The engine ends a request mid-decoding (/abort_request, a client gone): its events still number every
+    forward it ran, and the last one's committed text is the aborted answer's."""
+    from redraft.engine.output_stream import OutputStream
+    from redraft.protocol.sampling_params import SamplingParams
+
+    core = tiny.core
+    params = SamplingParams(mode="Q", max_new_tokens=160, ignore_eos=True, stream_denoise=True)
+    core.add_request("abort-me", [5, 17, 33, 9], params)
+    stream = OutputStream("abort-me", tiny.tokenizer)
+    stream.denoise = True
+    events: list[dict] = []
+    for _ in range(400):
+        if stream.ids:  # mid-decoding, with a block committed
+            core.abort("abort-me")
+        for out in core.step():
+            stream.add(out)
+            events += stream.new_events
+        if stream.finished:
+            break
+    assert stream.finished and stream.finish_reason["type"] == "abort"
+    forwards = [e for e in events if e["event"] == "forward"]
+    assert 0 < len(forwards) == stream.meta["steps"]
+    assert 0 < len(stream.ids) < 160
+    assert events[-1]["committed_text"] == stream.text
