@@ -29,7 +29,8 @@ COLUMNS_JS = """() => window.playground.columns.map((c) => ({
 # Mid-animation: every column has drawn n frames and shows an edit, or drafts beside masks, now (or has ended).
 SHOT_READY_JS = """(n) => window.playground.columns.length && window.playground.columns.every((c) => c.done || c.error
   || (c.frames.length >= n && (c.node.querySelector('.window .cell.edited')
-      || (c.node.querySelector('.window .cell.mask') && c.node.querySelectorAll('.window .cell.drafted').length >= 2))))"""
+      || (c.node.querySelector('.window .cell.mask')
+          && c.node.querySelectorAll('.window .cell.drafted').length >= 2))))"""
 
 
 def run_playground(url: str, *, race: bool, prompt: str = PROMPT, mode: str = "S", speed: str = "0",

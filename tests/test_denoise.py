@@ -134,7 +134,8 @@ def test_show_steps_draws_each_forward(tiny) -> None:
 
     from redraft.show_steps import StepPrinter
 
-    out = tiny.generate(input_ids=[5, 17, 33, 9], sampling_params=dict(mode="Q", max_new_tokens=64, stream_denoise=True))
+    params = dict(mode="Q", max_new_tokens=64, stream_denoise=True)
+    out = tiny.generate(input_ids=[5, 17, 33, 9], sampling_params=params)
     plain, tty = io.StringIO(), io.StringIO()
     lines, drawn = StepPrinter(plain, tty=False), StepPrinter(tty, tty=True)
     for e in out["denoise"]:
