@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from redraft.engine.constrained import Constraint
+from redraft.engine.denoise_trace import streaming_requests
 from redraft.engine.faults import FaultInjector
 from redraft.engine.grammar import GrammarError, Grammars, max_output_tokens
 from redraft.engine.grammar_sandbox import GrammarSandbox
@@ -224,9 +225,11 @@ class EngineCore:
             self.num_forwards += 1
             self.scoring.decoded(time.monotonic() - now)
         self.scoring.advance(decoding=bool(items), faults=self.faults)
-        outs = [self._output_guarded(req) for req in self.scheduler.drain_updates()]
+        updated = self.scheduler.drain_updates()
+        streaming = streaming_requests(items, updated)  # stream_denoise: a message for every forward
+        outs = [self._output_guarded(req) for req in updated + streaming]
         # A block that ended inside an open MBE window committed nothing yet: no message until something does.
-        return [o for o in outs if o.new_ids or o.finished]
+        return [o for o in outs if o.new_ids or o.finished or o.denoise]
 
     def _run_isolating(self, items: list[WorkItem]) -> list[tuple[list[WorkItem], StepOutput]]:
         """The forward of `items`; when it raises, the same items in halves (recursively), so that only the
@@ -287,8 +290,9 @@ class EngineCore:
         if req.finished:
             self._requests.pop(req.rid, None)
             meta = self._final_meta(req, len(ids), self._progress.pop(req.rid, None))
+        events = req.state.trace.take_events() if req.state.trace is not None and req.params.stream_denoise else None
         return RequestOutput(req.rid, ids[start:], req.finished, self._finish_json(req, len(ids)),
-                             lp[0] if lp else None, lp[1] if lp else None, meta)
+                             lp[0] if lp else None, lp[1] if lp else None, meta, events or None)
 
     @staticmethod
     def _finish_json(req: Request, n_out: int) -> dict[str, Any] | None:
@@ -321,8 +325,11 @@ class EngineCore:
             "first_forward": timing.first_forward if timing else None,
             "e2e_latency": time.monotonic() - timing.enqueued if timing else None,
         }
-        if req.state.edit_trace is not None:
-            meta["edit_trace"] = [list(e) for e in req.state.edit_trace]
+        trace = req.state.trace
+        if trace is not None and req.trace_edits:
+            meta["edit_trace"] = trace.edit_trace()
+        if trace is not None and req.params.return_step_maps:
+            meta["step_maps"] = trace.step_maps(n_out, req.block_size)
         if isinstance(req.state.constraint, Constraint):
             g = req.state.constraint.stats
             meta["grammar"] = {"rejected": g.rejected, "remasked": g.remasked, "forced": g.forced,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from redraft.engine.core import EngineCore
 from redraft.engine.output_stream import OutputStream
@@ -40,7 +40,11 @@ class Engine:
         prompt: str | Sequence[str] | None = None,
         sampling_params: dict | SamplingParams | Sequence[dict | SamplingParams] | None = None,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        on_event: Callable[[dict], None] | None = None,
     ) -> dict | list[dict]:
+        """Generate for one prompt (a dict) or several (a list). A request with `stream_denoise` gets its forward
+        events (docs/denoise.md) in the result's `denoise` list, and each is passed to `on_event` as it comes
+        (its `index`: the prompt's)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt= or input_ids=")
         if prompt is not None:
@@ -56,8 +60,18 @@ class Engine:
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(id_lists)
-        streams = self._run(id_lists, params)
+        events: list[list[dict]] = [[] for _ in id_lists]
+
+        def collect(index: int, batch: list[dict]) -> None:
+            events[index].extend(batch)
+            for e in batch if on_event is not None else ():
+                on_event(e)
+
+        streams = self._run(id_lists, params, collect)
         outs = [{"text": s.text, "output_ids": s.ids, "meta_info": s.meta_info()} for s in streams]
+        for out, p, e in zip(outs, params, events):
+            if p.stream_denoise:
+                out["denoise"] = e
         return outs[0] if single else outs
 
     # ---- likelihoods (docs/likelihood.md) ----------------------------------------------------------------
@@ -95,14 +109,16 @@ class Engine:
         self.shutdown()
 
     # ---- internals ----------------------------------------------------------------------------------
-    def _run(self, id_lists: list[list[int]], params: list[SamplingParams]) -> list[OutputStream]:
+    def _run(self, id_lists: list[list[int]], params: list[SamplingParams],
+             on_events: Callable[[int, list[dict]], None] | None = None) -> list[OutputStream]:
         core = self.core
         streams: dict[str, OutputStream] = {}
         try:
             rids = [uuid.uuid4().hex for _ in id_lists]
             core.add_requests(list(zip(rids, id_lists, params)))  # all or nothing, scheduled side by side
-            for rid, p in zip(rids, params):
+            for i, (rid, p) in enumerate(zip(rids, params)):
                 streams[rid] = OutputStream(rid, self.tokenizer, p.stop, p.no_stop_trim, p.skip_special_tokens)
+                streams[rid].index, streams[rid].denoise = i, p.stream_denoise
             t0 = time.perf_counter()
             pending = set(streams)
             while pending:
@@ -111,6 +127,8 @@ class Engine:
                     if stream is None:
                         continue
                     stream.add(out)
+                    if stream.new_events and on_events is not None:
+                        on_events(stream.index, stream.new_events)
                     stop = stream.stop_abort()  # a stop string appeared: end it there, before another forward
                     if stop is not None:
                         core.abort(stop.rid, stop.finish, stop.keep_tokens)

@@ -14,6 +14,7 @@ padded to the longest in the batch. Structured output's grammar (engine/constrai
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from dataclasses import dataclass
 
@@ -87,9 +88,24 @@ def merge_outputs(parts: list[tuple[list[int], StepOutput]], n: int) -> StepOutp
             out.t2t[i], out.mbe_edits[i] = part.t2t[j], part.mbe_edits[j]
             if part.logprobs:
                 out.logprobs[i], out.top_logprobs[i] = part.logprobs[j], part.top_logprobs[j]
+            if part.confidence:
+                out.confidence = out.confidence or [None] * n
+                out.confidence[i] = part.confidence[j]
     if all(lp is None for lp in out.logprobs):
         out.logprobs, out.top_logprobs = [], []
     return out
+
+
+def denoise_columns(result: StepResult) -> torch.Tensor:
+    """[N, L] int64: each position's proposal probability as float32 bits (-1.0 where the step's token is not the
+    proposal), to ride in the step's one int64 device -> host read."""
+    p = torch.where(result.tokens == result.proposal, result.confidence.float(), -1.0)  # [N, L] float32
+    return p.view(torch.int32).long()
+
+
+def unpack_floats(bits: list[int]) -> list[float]:
+    """The floats of denoise_columns' float32 bits."""
+    return list(struct.unpack(f"{len(bits)}f", struct.pack(f"{len(bits)}i", *bits)))
 
 
 class SlotState:
@@ -245,7 +261,7 @@ class ModelRunner:
         n, width = rows.shape
         top = self.top1(hidden[rows.reshape(-1)])  # [n * L]
         result = self._advance(top.ids.view(n, width), top.prob.view(n, width), self.slots.slot_ids(reqs))
-        return self._step_output(result, [r.window_size * self.block_size for r in reqs])
+        return self._step_output(result, [r.window_size * self.block_size for r in reqs], reqs)
 
     def top1(self, hidden: torch.Tensor) -> Top1:
         """Each row's best token (MASK excluded, lowest id on ties) and its probability, from [R, H] hidden states.
@@ -275,25 +291,32 @@ class ModelRunner:
         result = self._step(logits, slots, reqs)
         if constrained:
             self._constrain(logits, slots, reqs, constrained, before, result, lens, failed)
-        out = self._step_output(result, lens)
+        out = self._step_output(result, lens, reqs)
         wants = [r.params.wants_logprobs for r in reqs]
         if any(wants):
             self._logprobs(logits, result.tokens, reqs, wants, lens, out)
         return out
 
-    def _step_output(self, result: StepResult, lens: list[int]) -> StepOutput:
+    def _step_output(self, result: StepResult, lens: list[int], reqs: list[Request]) -> StepOutput:
         """The step's result as plain lists, read from the device in one transfer: per row the window's tokens,
-        then had_mask, the M2T and T2T counts and the multi-block edits ([N, L + 4] int64)."""
+        then had_mask, the M2T and T2T counts and the multi-block edits ([N, L + 4] int64); when a request of the
+        batch streams its forwards (stream_denoise), L more columns: the confidences (denoise_columns)."""
         width = result.tokens.shape[1]
         # T2T edits in blocks before the active one (the last block of each window): multi-block edits
         before_active = torch.arange(width, device=self.device)[None, :] < \
             torch.tensor(lens, device=self.device)[:, None] - self.block_size
+        streams = [r.params.stream_denoise for r in reqs]
+        extra = [denoise_columns(result)] if any(streams) else []
         packed = torch.cat([result.tokens, result.had_mask[:, None], result.m2t.sum(-1, keepdim=True),
-                            result.t2t.sum(-1, keepdim=True), (result.t2t & before_active).sum(-1, keepdim=True)],
-                           dim=1).tolist()  # [N, L + 4]: the one device -> host read
-        return StepOutput(tokens=[row[:n] for row, n in zip(packed, lens)],
-                          had_mask=[bool(row[width]) for row in packed], m2t=[row[width + 1] for row in packed],
-                          t2t=[row[width + 2] for row in packed], mbe_edits=[row[width + 3] for row in packed])
+                            result.t2t.sum(-1, keepdim=True), (result.t2t & before_active).sum(-1, keepdim=True),
+                            *extra], dim=1).tolist()  # [N, L + 4 (+ L)]: the one device -> host read
+        out = StepOutput(tokens=[row[:n] for row, n in zip(packed, lens)],
+                         had_mask=[bool(row[width]) for row in packed], m2t=[row[width + 1] for row in packed],
+                         t2t=[row[width + 2] for row in packed], mbe_edits=[row[width + 3] for row in packed])
+        if extra:
+            out.confidence = [unpack_floats(row[width + 4 : width + 4 + n]) if s else None
+                              for row, n, s in zip(packed, lens, streams)]
+        return out
 
     def _guard(self, failed: dict[str, tuple[str, BaseException]], req: Request, stage: str, fn, *args) -> None:
         """One request's share of a stage; an exception is recorded as that request's failure (EngineCore logs

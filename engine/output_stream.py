@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from redraft.engine.denoise_trace import commit_event, text_event
 from redraft.engine.detokenizer import StreamingDetokenizer
 from redraft.protocol.messages import AbortReq, RequestOutput
 
@@ -23,9 +24,13 @@ class OutputStream:
         self.engine_finish: dict[str, Any] | None = None
         self.meta: dict[str, Any] = {}
         self._abort_sent = False
+        self.index = 0  # the choice index forward events carry (n > 1)
+        self.new_events: list[dict[str, Any]] = []  # stream_denoise: the events of the latest message
+        self.denoise = False  # the request streams its forwards (set by whoever built this, from its params)
 
     def add(self, out: RequestOutput) -> str:
         """Take one message; return the text it made certain (never part of a stop string)."""
+        self.new_events = []
         if self.finished:
             return ""
         new = out.new_ids if self.detok.stop_matched is None else []  # nothing after a stop string counts
@@ -40,6 +45,11 @@ class OutputStream:
             shown = new[:-1]  # as SGLang: the EOS / stop token that ended it stays in ids, not in the text
         delta = self.detok.feed(shown, out.finished)
         self.meta.update(out.meta)
+        if out.denoise:
+            self.new_events = [text_event(e, self.detok.tokenizer, len(self.ids), self.text, self.index)
+                               for e in out.denoise]
+        elif self.denoise and (new or out.finished):  # blocks that committed without a forward (at the end)
+            self.new_events = [commit_event(self.index, out.meta.get("steps", 0), len(self.ids), self.text)]
         if out.finished:
             self.finished = True
             self.engine_finish = out.finish_reason

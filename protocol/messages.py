@@ -136,6 +136,8 @@ class RequestOutput:
                   through the first EOS/stop token on the last one)
     new_logprobs: their log-probabilities, and the top alternatives [(token, logprob), ...] at each, when asked
     meta:         progress (`steps`, `blocks`) on every message; the whole meta_info once finished
+    denoise:      stream_denoise: one raw event per forward since the last message (scheduler/denoise_trace.py;
+                  the HTTP side adds the text, server/denoise.py), else None
     """
 
     rid: str
@@ -145,6 +147,7 @@ class RequestOutput:
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    denoise: list[dict[str, Any]] | None = None
 
 
 @dataclass

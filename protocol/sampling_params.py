@@ -138,6 +138,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None  # GBNF, as SGLang and llama.cpp write it
     lark: str | None = None
+    # Watching the decoding (docs/denoise.md): an event per forward on a stream, and the step maps in meta_info
+    stream_denoise: bool = False
+    return_step_maps: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -189,7 +192,7 @@ class SamplingParams:
             fail("ignore_eos must be a boolean", "ignore_eos")
         if not isinstance(self.logprobs, bool):
             fail("logprobs must be a boolean", "logprobs")
-        for name in ("no_stop_trim", "skip_special_tokens"):
+        for name in ("no_stop_trim", "skip_special_tokens", "stream_denoise", "return_step_maps"):
             if not isinstance(getattr(self, name), bool):
                 fail(f"{name} must be a boolean", name)
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
@@ -293,6 +296,8 @@ class ResolvedParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     grammar: tuple[str, str] | None = None  # (constraint field, source): structured output
+    stream_denoise: bool = False  # an event per forward (scheduler/denoise_trace.py)
+    return_step_maps: bool = False  # meta_info.step_maps
 
     @property
     def wants_logprobs(self) -> bool:
@@ -363,4 +368,6 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
         logit_bias=tuple((t, float(b)) for t, b in params.logit_bias),
         min_tokens=params.min_tokens,
         grammar=params.grammar,
+        stream_denoise=params.stream_denoise,
+        return_step_maps=params.return_step_maps,
     )

@@ -87,7 +87,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             params[key] = getattr(args, key)
     if args.request_seed is not None:
         params["seed"] = args.request_seed
-    out = engine.generate(input_ids=prompt_ids, sampling_params=params)
+    printer = None
+    if args.show_steps:
+        from redraft.show_steps import StepPrinter
+
+        printer = StepPrinter(sys.stderr)
+        params["stream_denoise"] = True
+    out = engine.generate(input_ids=prompt_ids, sampling_params=params, on_event=printer)
+    if printer is not None:
+        printer.finish()
+        out.pop("denoise", None)  # drawn already; --json keeps the answer's shape
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -151,6 +160,9 @@ def _add_engine_commands(sub: "argparse._SubParsersAction") -> None:
     gen.add_argument("--seed", dest="request_seed", type=int, default=None,
                      help="the request's sampling seed (temperature > 0)")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    gen.add_argument("--show-steps", action="store_true",
+                     help="draw each forward on stderr: masks, drafts by confidence, edits (redrawn in place on a "
+                          "terminal, one line per forward otherwise)")
     gen.set_defaults(func=cmd_generate)
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams
+from redraft.scheduler.denoise_trace import DenoiseTrace
 from redraft.scheduler.radix_cache import RadixNode, blocks_through
 
 _UIDS = itertools.count()
@@ -135,14 +136,15 @@ class DecodeState:
     # As they were when the active block began: a preempted request restarts its block from there.
     block_start_stats: DecodeStats = field(default_factory=DecodeStats)
     block_start_window: list[int] = field(default_factory=list)  # the window's earlier blocks
-    block_start_trace_len: int = 0
+    block_start_trace: tuple | None = None  # DenoiseTrace.mark() at the block's start
     # Logprobs by block index, kept only when the request asked for them: of the window's blocks from the latest
     # forward, and of every final block (a window block's become final when it commits).
     window_logprobs: dict[int, tuple[list[float], list]] = field(default_factory=dict)
     final_logprobs: dict[int, tuple[list[float], list]] = field(default_factory=dict)
-    # Every T2T edit as (completion position, old id, new id), kept only when asked (the demo model's
-    # evaluation counts which edits repaired a wrong token); entries of a preempted block are dropped.
-    edit_trace: list[tuple[int, int, int]] | None = None
+    # What each forward placed and edited (scheduler/denoise_trace.py), kept only when asked: --trace-edits
+    # (the demo model's evaluation counts which edits repaired a wrong token), step maps, per-forward events;
+    # entries of a preempted block are dropped.
+    trace: DenoiseTrace | None = None
     output_end: int = 2**62  # set when a stop token ends the request: the output ends right after it
     output_limit: int | None = None  # a cut of the output set by an abort (a stop string the consumer matched)
     # Structured output: the engine's grammar state (engine/constrained.py Constraint), None when unconstrained.
@@ -183,8 +185,12 @@ class Request(RequestInputs):
                  eos_id: int | frozenset[int], block_size: int = BLOCK_SIZE, *, trace_edits: bool = False,
                  constraint: object | None = None):
         super().__init__(rid, tuple(prompt_ids), params, mask_id, eos_id, block_size)
-        self.state = DecodeState(list(self.prompt_ids), self.first_block, self.first_block,
-                                 edit_trace=[] if trace_edits else None, constraint=constraint)
+        self.trace_edits = trace_edits  # meta_info.edit_trace (the server's --trace-edits)
+        traced = trace_edits or params.stream_denoise or params.return_step_maps
+        trace = DenoiseTrace(self.prompt_len, mask_id, self.prompt_len + params.max_new_tokens, block_size,
+                             events=params.stream_denoise) if traced else None
+        self.state = DecodeState(list(self.prompt_ids), self.first_block, self.first_block, trace=trace,
+                                 constraint=constraint)
         self.book = Bookkeeping()
 
     # ---- reading the state ----------------------------------------------------------------------------
@@ -226,8 +232,8 @@ class Request(RequestInputs):
         s, b = self.state, self.block_size
         s.status = Status.WAITING
         s.stats = replace(s.block_start_stats)
-        if s.edit_trace is not None:
-            del s.edit_trace[s.block_start_trace_len :]
+        if s.trace is not None and s.block_start_trace is not None:
+            s.trace.rollback(s.block_start_trace)
         keep = max(s.window_start * b, self.prompt_len)
         s.tokens = s.tokens[:keep] + s.block_start_window[keep - s.window_start * b :]
         s.window_logprobs = {}
@@ -238,7 +244,7 @@ class Request(RequestInputs):
         s.active_block = blk
         s.version += 1
         s.block_start_stats = replace(s.stats)
-        s.block_start_trace_len = len(s.edit_trace) if s.edit_trace is not None else 0
+        s.block_start_trace = s.trace.mark() if s.trace is not None else None
         s.post_steps = 0
         self._commit_through(max(self.first_block, blk - self.params.mbe_window + 1))
         end = (blk + 1) * b
@@ -271,19 +277,19 @@ class Request(RequestInputs):
         for j, blk in enumerate(range(s.window_start, s.active_block + 1)):
             s.window_logprobs[blk] = (lps[j * b : (j + 1) * b], tops[j * b : (j + 1) * b])
 
-    def apply_step(self, new_window: list[int], had_mask: bool, m2t: int, t2t: int, mbe_edits: int = 0) -> StepEnd:
+    def apply_step(self, new_window: list[int], had_mask: bool, m2t: int, t2t: int, mbe_edits: int = 0,
+                   confidence: list[float] | None = None) -> StepEnd:
         """Record one denoising forward's result (the window's tokens after the step; `mbe_edits` of the t2t
-        edits landed in blocks before the active one)."""
+        edits landed in blocks before the active one; `confidence`: each position's proposal probability, copied
+        back only for a request that streams its forwards)."""
         s, b = self.state, self.block_size
         s.stats.steps += 1
         s.stats.m2t += m2t
         s.stats.edits += t2t
         s.stats.mbe_edits += mbe_edits
         window = slice(s.window_start * b, (s.active_block + 1) * b)
-        if s.edit_trace is not None:
-            for i, (old, new) in enumerate(zip(s.tokens[window], new_window)):
-                if old != self.mask_id and old != new:
-                    s.edit_trace.append((window.start + i - self.prompt_len, old, new))
+        if s.trace is not None:
+            s.trace.record(s.stats.steps, s.active_block, window.start, s.tokens[window], new_window, confidence)
         s.tokens[window] = new_window
         if not had_mask and t2t == 0:
             # W = 1: the forward saw the block's final tokens, block-causally, and no later window will reopen

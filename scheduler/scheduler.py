@@ -102,6 +102,9 @@ class StepOutput:
     # token after the step, and the top alternatives [(token, logprob), ...] at each position.
     logprobs: list[list[float] | None] = field(default_factory=list)
     top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
+    # Per decoding item, None unless its request streams its forwards (stream_denoise): each position's proposal
+    # probability p (-1 where the step's token is not the proposal: structured output changed it)
+    confidence: list[list[float] | None] = field(default_factory=list)
     # rid -> (stage, exception) of a per-request stage of the step that raised (grammar, logit controls): the
     # engine ends those requests with an error finish before `update`, which then skips them.
     failed: dict[str, tuple[str, BaseException]] = field(default_factory=dict)
@@ -217,7 +220,8 @@ class Scheduler:
         if out.logprobs and out.logprobs[i] is not None:
             req.set_window_logprobs(out.logprobs[i], out.top_logprobs[i])
         mbe = out.mbe_edits[i] if out.mbe_edits else 0
-        end = req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe)
+        conf = out.confidence[i] if out.confidence else None
+        end = req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe, conf)
         req.book.exact_blocks = end.exact_blocks
         if end.ended:
             self._end_block(req)

@@ -146,6 +146,7 @@ class Update:
     ids_end: int  # the choice's output ids (and logprobs) up to here
     finished: bool
     finish_reason: dict[str, Any] | None  # OutputStream.finish_reason at this point (set once finished)
+    denoise: tuple[dict[str, Any], ...] = ()  # stream_denoise: this message's forward events (docs/denoise.md)
 
     @property
     def aborted(self) -> bool:
@@ -166,6 +167,7 @@ class ChoiceStream:
         rid = engine.rid
         shown = client_rid(rid) if state.api_keys else rid  # without keys no id is scoped
         self.out = OutputStream(shown, state.tokenizer, params.stop, params.no_stop_trim, params.skip_special_tokens)
+        self.out.index, self.out.denoise = index, params.stream_denoise
         self.sent_tokens = 0  # output tokens whose logprobs a stream has sent
         self.accepted: Accepted | None = None
 
@@ -184,7 +186,7 @@ class ChoiceStream:
             if stop is not None:
                 await self.state.client.abort(self.rid, stop.finish, stop.keep_tokens)
             yield Update(delta, len(self.out.ids), self.out.finished,
-                         self.out.finish_reason if self.out.finished else None)
+                         self.out.finish_reason if self.out.finished else None, tuple(self.out.new_events))
 
     async def run(self) -> OutputStream:
         async for _ in self.updates():

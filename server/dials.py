@@ -26,7 +26,11 @@ DIALS: dict[str, type] = {
     "mbe_window": int,
     "stutter_penalty": float,
     "domain": str,
+    # watching the decoding (docs/denoise.md)
+    "stream_denoise": bool,
+    "return_step_maps": bool,
 }
+BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
 
 
 class DialError(ValueError):
@@ -40,6 +44,12 @@ class DialError(ValueError):
 def parse_dial(name: str, value: Any, where: str) -> Any:
     """A carried value as the dial's type: '0.9' -> 0.9, '2' -> 2; DialError naming `where` otherwise."""
     kind = DIALS[name]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+            return BOOL_WORDS[value.strip().lower()]
+        raise DialError(f"{where} must be a boolean, got {value!r}", where)
     if isinstance(value, bool):
         raise DialError(f"{where} must be a {kind.__name__}, got {value!r}", where)
     if kind is str:

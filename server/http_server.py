@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.protocol.errors import RequestError
-from redraft.server import likelihood_api, native_api, openai_api, responses_api
+from redraft.server import likelihood_api, native_api, openai_api, playground, responses_api
 from redraft.server.common import ServerState, error_response
 from redraft.server.middleware import install_middleware
 from redraft.server.routing import DepthCheckedRoute
@@ -32,7 +32,8 @@ from redraft.server.routing import DepthCheckedRoute
 log = logging.getLogger("redraft.http")
 
 # in this order in the OpenAPI document
-ROUTERS: tuple[APIRouter, ...] = (openai_api.router, likelihood_api.router, responses_api.router, native_api.router)
+ROUTERS: tuple[APIRouter, ...] = (openai_api.router, likelihood_api.router, responses_api.router, native_api.router,
+                                  playground.router)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -17,10 +17,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.protocol.errors import RequestError
 from redraft.server.common import RETRY_AFTER, ServerState, key_scope
+from redraft.server.playground import PATHS as PLAYGROUND_PATHS
 
 log = logging.getLogger("redraft.http")
 
-OPEN_PATHS = {"/health", "/live", "/metrics"}  # liveness probes and Prometheus need no key
+# liveness probes and Prometheus need no key; nor does the playground's static page (its calls carry the key)
+OPEN_PATHS = {"/health", "/live", "/metrics", *PLAYGROUND_PATHS}
 ADMIN_PATHS = {"/abort_request", "/flush_cache"}  # they change what other clients get: the admin key only
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 

@@ -24,6 +24,7 @@ from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.common import (RETRY_AFTER, ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
                                    check_model, client_rid, engine_error, engine_rid, error_response, run_all,
                                    run_until_disconnect, sse, sse_error, start_streams)
+from redraft.server.denoise import denoise_sse
 from redraft.server.dials import DIALS, DialError, lift_dials
 from redraft.server.engine_client import EngineDead
 from redraft.server.likelihood_api import all_prompt_logprobs
@@ -53,6 +54,10 @@ class GenerateBody(BaseModel):
     logprob_start_len: int = Field(default=-1, ge=-1)
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     return_text_in_logprobs: bool = False  # the third entry of each logprob tuple: the token's text
+    # watching the decoding (docs/denoise.md), top level as SGLang's return_* flags (or in sampling_params):
+    # an `event: denoise` per forward on a stream, meta_info.step_maps
+    stream_denoise: bool = False
+    return_step_maps: bool = False
     # what SGLang clients and sglang-router add (docs/scaling.md): `model` must name the served model; the
     # logging switches are no-ops; the features redraft lacks are accepted only when off
     model: str | None = None
@@ -206,6 +211,11 @@ def _sampling_params(body: GenerateBody, names: RouteNames) -> SamplingParams:
     check_logit_bias_keys(raw_params.get("logit_bias"), "sampling_params.logit_bias")
     if body.return_logprob:
         raw_params.update(logprobs=True, top_logprobs=body.top_logprobs_num)
+    for flag in ("stream_denoise", "return_step_maps"):
+        if getattr(body, flag):
+            raw_params[flag] = True
+    if not body.stream:
+        raw_params.pop("stream_denoise", None)  # events need a stream: a plain answer carries none
     try:
         return SamplingParams.from_dict(raw_params)
     except SamplingParamsError as exc:
@@ -287,9 +297,16 @@ def _native_payload(out: OutputStream, final: bool = False) -> dict:
 
 
 async def _native_sse(stream: ChoiceStream) -> AsyncIterator[str]:
-    """One SSE chunk per committed block (cumulative text and ids, as SGLang streams them), then [DONE]."""
+    """One SSE chunk per committed block (cumulative text and ids, as SGLang streams them), then [DONE]; with
+    stream_denoise, an `event: denoise` before it for each forward (server/denoise.py)."""
+    sent = 0  # output ids the data chunks have carried
     try:
-        async for _ in stream.updates():
+        async for up in stream.updates():
+            for event in up.denoise:
+                yield denoise_sse(event)
+            if up.denoise and up.ids_end == sent and not up.finished:
+                continue  # a forward that committed nothing: its event alone
+            sent = up.ids_end
             yield sse(_native_payload(stream.out, final=stream.out.finished))
             if stream.out.finished and _error_finish(stream.out):  # its last chunk, then the error
                 yield sse_error(aborted_error(stream.out))

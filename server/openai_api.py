@@ -21,6 +21,7 @@ from redraft.engine.output_stream import OutputStream
 from redraft.engine.tokenizer import ChatTemplateError
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
+from redraft.server.denoise import chat_event_chunk, completion_event_chunk, step_maps
 from redraft.server.likelihood_api import all_prompt_logprobs
 from redraft.server.common import (ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
                                    check_model, engine_rid, merge_updates, run_all, run_until_disconnect, sse,
@@ -87,6 +88,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, names: Route
         "logit_bias": req.logit_bias,
         "no_stop_trim": req.no_stop_trim,
         "skip_special_tokens": req.skip_special_tokens,
+        "stream_denoise": req.stream_denoise and req.stream,
+        "return_step_maps": req.return_step_maps,
         **(constraint or {}),
     }
     for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "stutter_penalty"):
@@ -166,6 +169,7 @@ def diffusion_stats(outs: list[OutputStream]) -> dict:
         "edits": sum(o.meta.get("edits", 0) for o in outs),
         "mode": outs[0].meta.get("mode") if outs else None,
         "first_forward": [o.meta.get("first_forward") for o in outs],  # the engine forward each choice began at
+        **({"step_maps": maps} if (maps := step_maps(outs)) is not None else {}),
     }
 
 
@@ -416,6 +420,8 @@ class ChatFormatter:
                 if isinstance(up, Exception):
                     yield sse_error(up)
                     break
+                for event in up.denoise:  # stream_denoise: the forwards first, then what they committed
+                    yield sse(chat_event_chunk(self._envelope("chat.completion.chunk"), event))
                 if up.aborted:  # cut by the server or failed in the engine: a valid finish, then the error
                     yield self._chunk(c.index, {"content": up.text} if up.text else {}, "stop", tokens=up.ids_end)
                     yield sse_error(aborted_error(up.finish_reason))
@@ -524,6 +530,8 @@ class CompletionFormatter:
                 if isinstance(up, Exception):
                     yield sse_error(up)
                     break
+                for event in up.denoise:  # stream_denoise: the forwards first, then what they committed
+                    yield sse(completion_event_chunk(self._envelope(), event))
                 # usage on every chunk (continuous_usage_stats: this choice's tokens so far), else null or absent
                 extra = {"usage": running_usage(self._prompt_tokens(), up.ids_end) if continuous else None} \
                     if include_usage or continuous else {}

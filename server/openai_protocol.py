@@ -279,6 +279,8 @@ class _Common(Strict):
     max_post_steps: int | None = Field(default=None, ge=0, le=1024)
     mbe_window: int | None = Field(default=None, ge=1, le=8)  # protocol.sampling_params.MAX_MBE_WINDOW
     domain: str | None = Field(default=None, max_length=64)
+    stream_denoise: bool = False  # an extra chunk per forward, with a `diffusion` event (docs/denoise.md)
+    return_step_maps: bool = False  # diffusion.step_maps in the response (docs/denoise.md)
     # SGLang's fields (its clients and sglang-router send them, mostly at their defaults): docs/scaling.md
     no_stop_trim: bool = False  # keep the matched stop string in the text
     skip_special_tokens: bool = True

@@ -4,7 +4,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { columns: [], running: 0, controller: null };
+const state = { columns: [], running: false, controller: null };
 window.playground = state;
 
 const PRESETS = { S: { threshold: 0.5, edit_threshold: 0.0 }, Q: { threshold: 0.7, edit_threshold: 0.5 } };
@@ -59,7 +59,9 @@ function newColumn(title) {
   const node = $("column-template").content.firstElementChild.cloneNode(true);
   node.querySelector(".title").textContent = title;
   $("columns").appendChild(node);
-  const column = { title, node, frames: [], forwards: 0, edits: 0, tokens: 0, text: "", finalText: null, error: null, done: false };
+  const column = { title, node, frames: [], forwards: 0, edits: 0, tokens: 0, committed: 0, masks: 0, text: "",
+    finalText: null, summary: null, error: null, done: false, seen: new Map(), seenEnd: 0,
+    framesWithMasks: 0 };
   state.columns.push(column);
   return column;
 }
@@ -67,30 +69,83 @@ function newColumn(title) {
 function cell(piece, status, confidence, replaced) {
   const span = document.createElement("span");
   span.className = "cell " + status;
-  span.textContent = status === "mask" ? "\u00a0" : piece;
-  if (status === "drafted") span.style.setProperty("--conf", String(confidence ?? 0.5));
-  if (status === "edited") span.title = "replaced " + JSON.stringify(replaced ?? "");
-  else if (confidence != null) span.title = "confidence " + confidence.toFixed(3);
+  if (status === "mask") {
+    span.textContent = "\u00a0";
+    return span;
+  }
+  if (status === "edited" && replaced != null) {
+    const old = document.createElement("s");
+    old.className = "old";
+    old.textContent = visible(replaced);
+    span.appendChild(old);
+  }
+  span.appendChild(document.createTextNode(visible(piece)));
+  if (/^<\|[^|]*\|>$/.test(piece || "")) span.classList.add("special");
+  if (status === "drafted" || status === "edited") span.style.setProperty("--conf", String(confidence ?? 0.5));
+  const parts = [];
+  if (confidence != null) parts.push("confidence " + confidence.toFixed(3));
+  if (status === "edited") parts.push("replaced " + JSON.stringify(replaced ?? ""));
+  if (span.classList.contains("special")) parts.unshift(piece);
+  if (parts.length) span.title = parts.join(", ");
   return span;
 }
 
+// Whitespace and control characters drawn so that a cell never collapses to nothing.
+function visible(piece) {
+  if (piece == null || piece === "") return "\u2205";
+  if (/^<\|[^|]*\|>$/.test(piece)) return piece === "<|endoftext|>" ? "eos" : piece.slice(2, -2).slice(0, 6);  // special
+  if (!piece.trim()) return piece.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5").replace(/ /g, "\u2423");
+  return piece.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5").replace(/ /g, "\u00a0");
+}
+
 function drawFrame(column, event) {
-  const w = event.window;
   column.node.querySelector(".committed").textContent = event.committed_text;
   const holder = column.node.querySelector(".window");
   holder.replaceChildren();
-  w.tokens.forEach((id, i) => {
-    if (i > 0 && (w.offset + i) % w.block_size === 0) {
-      const bar = document.createElement("span");
-      bar.className = "block-end";
-      holder.appendChild(bar);
-    }
-    holder.appendChild(cell(w.pieces[i], w.states[i], w.confidence[i], w.replaced_pieces ? w.replaced_pieces[i] : w.replaced[i]));
-  });
   column.forwards = event.forward;
-  column.edits += w.states.filter((s) => s === "edited").length;
-  column.tokens = event.committed_tokens + w.states.filter((s) => s !== "mask").length;
+  column.committed = event.committed_tokens;
+  if (event.event !== "forward") { drawCounts(column); return; }
+  const w = event.window;
+  let placed = 0;
+  let row = null;
+  w.tokens.forEach((id, i) => {
+    const pos = w.offset + i;
+    if (w.states[i] === "edited" && !event.opening) column.edits += 1;
+    if (w.states[i] !== "mask") placed += 1;
+    if (pos < event.committed_tokens) return;  // settled: shown in the committed text
+    if (!row || (event.prompt_tokens + pos) % w.block_size === 0) {  // one row per block of the open window
+      row = document.createElement("div");
+      row.className = "block";
+      holder.appendChild(row);
+    }
+    row.appendChild(cell(w.pieces[i], w.states[i], w.confidence[i], w.replaced_pieces[i]));
+  });
+  column.masks = w.states.filter((s) => s === "mask").length;
+  if (holder.querySelector(".cell.mask")) column.framesWithMasks += 1;
+  column.tokens = Math.max(column.tokens, w.offset + placed);
+  const f = column.node.querySelector(".frame");
+  f.textContent = "forward " + event.forward + (column.masks ? " \u00b7 " + column.masks + " masks left" : "");
   drawCounts(column);
+}
+
+// A block opens all-mask: before the first forward that shows new positions, a frame of them as grey cells
+// (drawn only; `frames` keeps the server's events).
+function openingFrame(column, event) {
+  const w = event.window;
+  if (w.offset + w.tokens.length <= column.seenEnd) return null;
+  const n = w.tokens.length;
+  const pieces = w.tokens.map((_, i) => column.seen.get(w.offset + i));
+  const states = pieces.map((p) => (p === undefined ? "mask" : "kept"));
+  return { ...event, event: "forward", forward: event.forward - 1, opening: true,
+    window: { ...w, states, pieces, confidence: Array(n).fill(null), replaced_pieces: Array(n).fill(null) } };
+}
+
+function rememberWindow(column, w) {
+  w.tokens.forEach((_, i) => {
+    if (w.states[i] === "mask") column.seen.delete(w.offset + i);
+    else column.seen.set(w.offset + i, w.pieces[i]);
+  });
+  column.seenEnd = Math.max(column.seenEnd, w.offset + w.tokens.length);
 }
 
 function drawCounts(column) {
@@ -115,17 +170,33 @@ async function runColumn(column, mode, prompt, signal) {
   for await (const chunk of sseData(response)) {
     if (chunk === "[DONE]") break;
     if (chunk.error) throw new Error(chunk.error.message);
-    if (chunk.diffusion && chunk.diffusion.event === "forward") {
-      column.frames.push(chunk.diffusion);
-      drawFrame(column, chunk.diffusion);
+    const d = chunk.diffusion;
+    if (d && (d.event === "forward" || d.event === "commit")) {
+      const opening = d.event === "forward" ? openingFrame(column, d) : null;
+      if (opening) {
+        drawFrame(column, opening);
+        if (delay) await sleep(delay);
+      }
+      column.frames.push(d);
+      drawFrame(column, d);
+      if (d.event === "forward") rememberWindow(column, d.window);
       if (delay) await sleep(delay);
+    } else if (d && d.forwards != null) {
+      column.summary = d;  // the usage chunk's figures for the whole request
     }
     for (const choice of chunk.choices || []) column.text += (choice.delta && choice.delta.content) || "";
   }
   column.finalText = column.text;
   column.node.querySelector(".committed").textContent = column.text;
   column.node.querySelector(".window").replaceChildren();
-  column.tokens = column.frames.length ? column.frames[column.frames.length - 1].committed_tokens : 0;
+  if (column.summary) {
+    column.forwards = column.summary.forwards;
+    column.edits = column.summary.edits;
+  }
+  const last = column.frames[column.frames.length - 1];
+  column.tokens = last ? last.committed_tokens : column.tokens;
+  column.node.classList.add("done");
+  column.node.querySelector(".frame").textContent = "done in " + column.forwards + " forwards";
   drawCounts(column);
 }
 
@@ -139,7 +210,7 @@ async function start(modes) {
   try {
     if (!state.model) await loadModel();
     const jobs = modes.map((mode) => {
-      const column = newColumn(mode === "custom" ? "custom thresholds" : mode === "S" ? "S (speedy)" : "Q (quality)");
+      const column = newColumn(columnTitle(mode));
       return runColumn(column, mode, prompt, state.controller.signal).then(
         () => { column.done = true; },
         (err) => { column.error = String(err.message || err); showError(column); });
@@ -153,6 +224,12 @@ async function start(modes) {
   }
 }
 
+function columnTitle(mode) {
+  const t = mode === "custom" ? { threshold: $("threshold").value, edit_threshold: $("edit-threshold").value } : PRESETS[mode];
+  const name = mode === "custom" ? "custom" : mode === "S" ? "S · speed" : "Q · quality";
+  return name + "  (threshold " + t.threshold + ", edit " + t.edit_threshold + ", MBE " + $("mbe-window").value + ")";
+}
+
 function showError(column) {
   const p = column.node.querySelector(".error");
   p.textContent = column.error;
@@ -160,6 +237,7 @@ function showError(column) {
 }
 
 function setRunning(running) {
+  state.running = running;
   $("run").disabled = $("race").disabled = running;
   $("stop").disabled = !running;
 }

@@ -1,0 +1,38 @@
+"""GET /playground: a page that streams a chat completion with `stream_denoise` and draws each forward (masks,
+drafts coloured by confidence, edits, committed blocks; S and Q side by side). Three static files shipped in the
+package (server/static/), served as they are: no build step, no CDN, nothing fetched from elsewhere. The page
+needs no key to load (it holds no data); the key a person types into it goes with its API calls."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from fastapi import APIRouter
+from fastapi.responses import RedirectResponse, Response
+
+STATIC = files("redraft.server") / "static"
+FILES = {"playground.js": "text/javascript; charset=utf-8", "playground.css": "text/css; charset=utf-8"}
+PATHS = frozenset({"/playground", "/playground/", *(f"/playground/{name}" for name in FILES)})  # no key needed
+
+router = APIRouter()
+
+
+@router.get("/playground", include_in_schema=False)
+async def playground_redirect() -> Response:
+    return RedirectResponse("/playground/", status_code=307)  # the page's relative links resolve under it
+
+
+@router.get("/playground/", include_in_schema=False)
+async def playground_page() -> Response:
+    return _static("playground.html", "text/html; charset=utf-8")
+
+
+@router.get("/playground/{name}", include_in_schema=False)
+async def playground_file(name: str) -> Response:
+    if name not in FILES:
+        return Response(status_code=404)
+    return _static(name, FILES[name])
+
+
+def _static(name: str, media_type: str) -> Response:
+    return Response((STATIC / name).read_bytes(), media_type=media_type, headers={"Cache-Control": "no-cache"})
