@@ -107,8 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from redraft.engine.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(args.out, seed=args.seed, dtype=args.dtype, shards=args.shards)
-    print(f"wrote a tiny random LLaDA2 checkpoint to {path}")
+    path = make_tiny_checkpoint(args.out, seed=args.seed, dtype=args.dtype, shards=args.shards, llada22=args.llada22)
+    print(f"wrote a tiny random LLaDA2{'.2' if args.llada22 else ''} checkpoint to {path}")
     return 0
 
 
@@ -161,6 +161,8 @@ def _add_tool_commands(sub: "argparse._SubParsersAction") -> None:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     tiny.add_argument("--shards", type=int, default=1)
+    tiny.add_argument("--llada22", action="store_true",
+                      help="a LLaDA2.2 checkpoint: block routing, DELETE/SPLIT tokens, the Levenshtein step's defaults")
     tiny.set_defaults(func=cmd_make_tiny)
 
     from redraft.clients.bench import add_bench_args
