@@ -1,0 +1,220 @@
+"""The engine's Levenshtein step (LLaDA2.2) against the naive reference (tests/naive_llada22.py) on tiny 2.2
+checkpoints, in float64: the same output ids AND the same forward count (meta_info.steps, stability forwards
+included) and the same DELETE/SPLIT counts, for several checkpoints and settings (S- and Q-like thresholds,
+steps 8 and 32, max_post_steps 0/3/16, a small max_steps_per_block), alone, batched with 2.1-step requests of the
+same checkpoint, under preemption and with prefix-cache hits; and the admission refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from naive_llada2 import NaiveLLaDA2, naive_generate
+from naive_llada22 import Settings, naive_generate_llada22
+
+import redraft
+
+B = 32
+SEEDS = (0, 1, 2)
+
+
+class Tiny22:
+    """One tiny 2.2 checkpoint (float64) with its engine and naive model; ids read from its files."""
+
+    def __init__(self, model_dir: Path, seed: int) -> None:
+        self.dir, self.seed = model_dir, seed
+        cfg = json.loads((model_dir / "config.json").read_text())
+        self.del_id, self.spl_id, self.vocab = cfg["delete_token_id"], cfg["split_token_id"], cfg["vocab_size"]
+        self.gen = json.loads((model_dir / "generation_config.json").read_text())
+        added = {t["content"]: t["id"] for t in json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]}
+        self.mask_id, self.eos_id = added["<|mask|>"], added["<|endoftext|>"]
+        self.specials = set(added.values())
+        self.engine = redraft.Engine(model_path=str(model_dir), device="cpu", dtype="float64", progress=False)
+        self.naive = NaiveLLaDA2(model_dir, dtype=torch.float64)
+
+    def prompt(self, length: int, salt: int = 0) -> list[int]:
+        rng = random.Random(f"22/{self.seed}/{length}/{salt}")
+        ordinary = [i for i in range(self.vocab) if i not in self.specials]
+        return [rng.choice(ordinary) for _ in range(length)]
+
+    def settings(self, sp: dict[str, Any]) -> Settings:
+        """The settings a sampling_params dict asks for, from the definition: mode S/Q's thresholds, else
+        generation_config.json's values, else the spec's."""
+        preset = {"S": (0.5, 0.0), "Q": (0.7, 0.5)}.get(sp.get("mode", ""), (self.gen.get("threshold", 0.5),
+                                                                        self.gen.get("edit_threshold", 0.0)))
+        return Settings(threshold=sp.get("threshold", preset[0]), edit_threshold=sp.get("edit_threshold", preset[1]),
+                        steps=sp.get("steps", self.gen.get("steps", 32)),
+                        max_post_steps=sp.get("max_post_steps", self.gen.get("max_post_steps", 16)),
+                        max_steps_per_block=sp.get("max_steps_per_block", self.gen.get("max_steps_per_block", 1000)))
+
+    def reference(self, ids: list[int], sp: dict[str, Any]) -> tuple[list[int], int, int, int]:
+        """(output ids, forwards, deletions, insertions) of the definition."""
+        stops = set() if sp.get("ignore_eos") else {self.eos_id}
+        out, c = naive_generate_llada22(self.naive, ids, max_new_tokens=sp["max_new_tokens"],
+                                        settings=self.settings(sp), mask_id=self.mask_id, del_id=self.del_id,
+                                        spl_id=self.spl_id, stop_ids=stops)
+        return out, c.forwards, c.deletions, c.insertions
+
+    def reference_threshold(self, ids: list[int], sp: dict[str, Any]) -> tuple[list[int], int]:
+        """The 2.1 step on this checkpoint: the naive 2.1 loop with DELETE and SPLIT never proposed."""
+        def suppress(logits: torch.Tensor, *_: Any) -> torch.Tensor:
+            logits = logits.clone()
+            logits[:, [self.del_id, self.spl_id]] = float("-inf")
+            return logits
+
+        th, et = {"S": (0.5, 0.0), "Q": (0.7, 0.5)}[sp.get("mode", "Q")]
+        return naive_generate(self.naive, ids, max_new_tokens=sp["max_new_tokens"], threshold=th, edit_threshold=et,
+                              max_post_steps=sp.get("max_post_steps", 16), mask_id=self.mask_id, eos_id=self.eos_id,
+                              controls=suppress)
+
+    def check(self, out: dict, want: tuple) -> None:
+        meta = out["meta_info"]
+        got = (out["output_ids"], meta["steps"], meta["deletions"], meta["insertions"])
+        assert got == want
+        assert not {self.mask_id, self.del_id, self.spl_id} & set(out["output_ids"])
+        assert meta["decoder"] == "levenshtein"
+
+
+class Cache(dict):
+    def __init__(self, tiny_checkpoint: Callable[..., Path]) -> None:
+        super().__init__()
+        self.tiny_checkpoint = tiny_checkpoint
+
+    def __missing__(self, seed: int) -> Tiny22:
+        t = self[seed] = Tiny22(self.tiny_checkpoint(seed=seed, dtype="float64", llada22=True), seed)
+        return t
+
+
+@pytest.fixture(scope="module")
+def t22(tiny_checkpoint: Callable[..., Path]) -> Iterator[Cache]:
+    cache = Cache(tiny_checkpoint)
+    yield cache
+    for t in cache.values():
+        t.engine.shutdown()
+
+
+PARAMS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "S": {"mode": "S"},
+    "Q-steps8": {"mode": "Q", "steps": 8},
+    "S-post0": {"mode": "S", "max_post_steps": 0},
+    "Q-post3-steps8": {"mode": "Q", "max_post_steps": 3, "steps": 8},
+    "cap4": {"threshold": 0.95, "max_steps_per_block": 4},
+    "th0.3-ed0.9-post3": {"threshold": 0.3, "edit_threshold": 0.9, "max_post_steps": 3},
+}
+# (checkpoint seed, prompt length, max_new_tokens, params name): prompts ending mid-block, on a block boundary,
+# of one token; outputs inside one block and across several
+QUICK = [(0, 20, 40, "default"), (1, 1, 33, "Q-steps8"), (2, 31, 40, "S-post0"), (0, 32, 20, "cap4"),
+         (1, 45, 30, "Q-post3-steps8")]
+SLOW = [(0, 5, 70, "S"), (1, 64, 50, "th0.3-ed0.9-post3"), (2, 10, 70, "Q-steps8"), (2, 40, 64, "default"),
+        (0, 100, 40, "S-post0"), (1, 20, 70, "cap4"), (2, 33, 64, "Q-post3-steps8")]
+
+
+def _run(t: Tiny22, p: int, n: int, name: str, salt: int = 0) -> None:
+    ids = t.prompt(p, salt)
+    sp = dict(PARAMS[name], max_new_tokens=n)
+    t.check(t.engine.generate(input_ids=ids, sampling_params=sp), t.reference(ids, sp))
+
+
+@pytest.mark.parametrize("case", QUICK, ids=lambda c: f"ckpt{c[0]}-prompt{c[1]}-new{c[2]}-{c[3]}")
+def test_engine_matches_the_definition(t22: Cache, case: tuple[int, int, int, str]) -> None:
+    _run(t22[case[0]], *case[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW, ids=lambda c: f"ckpt{c[0]}-prompt{c[1]}-new{c[2]}-{c[3]}")
+def test_engine_matches_the_definition_more(t22: Cache, case: tuple[int, int, int, str]) -> None:
+    _run(t22[case[0]], *case[1:], salt=1)
+
+
+def test_every_path_runs_on_the_tiny_checkpoints(t22: Cache) -> None:
+    """The tiny 2.2 weights make the step delete and insert (else the tests above would prove little)."""
+    t = t22[0]
+    out = t.engine.generate(input_ids=t.prompt(20), sampling_params={"max_new_tokens": 64})
+    assert out["meta_info"]["deletions"] > 0 and out["meta_info"]["insertions"] > 0
+
+
+def _mixed(t: Tiny22) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    prompts = [t.prompt(n, salt=7) for n in (3, 20, 33, 50, 64)]
+    params = [{"max_new_tokens": 40}, {"decoder": "threshold", "mode": "S", "max_new_tokens": 50},
+              {"mode": "Q", "steps": 8, "max_new_tokens": 40}, {"decoder": "threshold", "mode": "Q", "max_new_tokens": 30},
+              {"max_post_steps": 0, "max_new_tokens": 40, "ignore_eos": True}]
+    return prompts, params
+
+
+def _want(t: Tiny22, ids: list[int], sp: dict[str, Any]) -> tuple:
+    if sp.get("decoder") == "threshold":
+        return t.reference_threshold(ids, sp)
+    return t.reference(ids, sp)
+
+
+def _got(t: Tiny22, out: dict, sp: dict[str, Any]) -> tuple:
+    meta = out["meta_info"]
+    assert not {t.mask_id, t.del_id, t.spl_id} & set(out["output_ids"])
+    if sp.get("decoder") == "threshold":
+        assert meta["deletions"] == meta["insertions"] == 0
+        return out["output_ids"], meta["steps"]
+    return out["output_ids"], meta["steps"], meta["deletions"], meta["insertions"]
+
+
+def test_batched_with_threshold_requests(t22: Cache) -> None:
+    """Levenshtein rows and 2.1-step rows of the same checkpoint in one batch, each its own definition's."""
+    t = t22[1]
+    prompts, params = _mixed(t)
+    together = t.engine.generate(input_ids=prompts, sampling_params=params)
+    for k, (ids, sp) in enumerate(zip(prompts, params)):
+        assert _got(t, together[k], sp) == _want(t, ids, sp), f"request {k}: {sp}"
+
+
+def test_exact_under_forced_preemption(t22: Cache) -> None:
+    """A KV cache far too small for the batch: blocks are preempted mid-way and restart from their entry."""
+    t = t22[2]
+    prompts, params = _mixed(t)
+    params = [dict(p, ignore_eos=True) for p in params]
+    small = redraft.Engine(model_path=str(t.dir), device="cpu", dtype="float64", progress=False,
+                           max_total_tokens=6 * B)
+    try:
+        got = small.generate(input_ids=prompts, sampling_params=params)
+        assert small.core.scheduler.num_preemptions > 0, "nothing was preempted"
+    finally:
+        small.shutdown()
+    for k, (ids, sp) in enumerate(zip(prompts, params)):
+        if sp.get("decoder") != "threshold":  # (the naive 2.1 loop knows no ignore_eos)
+            assert _got(t, got[k], sp) == _want(t, ids, sp), f"request {k}: {sp}"
+
+
+def test_exact_with_prefix_cache_hits(t22: Cache) -> None:
+    """A second turn whose prompt extends the first turn's answer reads its committed blocks from the radix tree."""
+    t = t22[0]
+    ids = t.prompt(40, salt=3)
+    sp = {"max_new_tokens": 60, "ignore_eos": True}
+    first = t.engine.generate(input_ids=ids, sampling_params=sp)
+    follow = ids + first["output_ids"] + t.prompt(9, salt=4)
+    second = t.engine.generate(input_ids=follow, sampling_params=dict(sp, max_new_tokens=40))
+    assert second["meta_info"]["cached_tokens"] >= 2 * B, second["meta_info"]
+    t.check(second, t.reference(follow, dict(sp, max_new_tokens=40)))
+
+
+def test_refusals(t22: Cache, ckpt: Path) -> None:
+    t = t22[0]
+    ids = t.prompt(10)
+    with pytest.raises(ValueError, match="mbe_window 2 is not supported with decoder 'levenshtein'"):
+        t.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "mbe_window": 2})
+    with pytest.raises(ValueError, match="structured output .* not supported with decoder 'levenshtein'"):
+        t.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "regex": "[a-z]+"})
+    # both are fine with the 2.1 step on the same checkpoint
+    out = t.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "mbe_window": 2,
+                                                            "decoder": "threshold"})
+    assert out["meta_info"]["decoder"] == "threshold"
+    old = redraft.Engine(model_path=str(ckpt), device="cpu", progress=False)
+    try:
+        with pytest.raises(ValueError, match="needs a LLaDA2.2 checkpoint"):
+            old.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "decoder": "levenshtein"})
+        assert old.generate(input_ids=ids, sampling_params={"max_new_tokens": 8})["meta_info"]["decoder"] == "threshold"
+    finally:
+        old.shutdown()
