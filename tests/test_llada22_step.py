@@ -218,3 +218,54 @@ def test_refusals(t22: Cache, ckpt: Path) -> None:
         assert old.generate(input_ids=ids, sampling_params={"max_new_tokens": 8})["meta_info"]["decoder"] == "threshold"
     finally:
         old.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks(t22: Cache) -> None:
+    """--tp-size 2 (gloo, float64): the Levenshtein rows and the 2.1 rows give their definitions' tokens."""
+    t = t22[1]
+    prompts, params = _mixed(t)
+    with redraft.Engine(str(t.dir), dtype="float64", progress=False, tp_size=2) as two:
+        got = two.generate(input_ids=prompts[:3], sampling_params=params[:3])
+    for k in range(3):
+        assert _got(t, got[k], params[k]) == _want(t, prompts[k], params[k]), f"request {k}"
+
+
+def _sse_chunks(resp: "httpx.Response") -> list[dict]:
+    lines = [ln for ln in resp.text.splitlines() if ln.startswith("data: {")]
+    return [json.loads(ln[len("data: "):]) for ln in lines]
+
+
+@pytest.mark.slow
+def test_redraft_serve(t22: Cache, tmp_path: Path) -> None:
+    """A live `redraft serve` on a 2.2 checkpoint: /generate gives the definition's ids and counts, its stream
+    one cumulative chunk per committed block, the OpenAI route takes `decoder` in its body, the 400s name the
+    field, and /metrics counts the structural edits."""
+    import httpx
+
+    from live_server import RedraftServer
+
+    t = t22[0]
+    server = RedraftServer(t.dir, tmp_path, ["--dtype", "float64"]).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120.0) as c:
+            ids, sp = t.prompt(20, salt=9), {"max_new_tokens": 70}
+            want = t.reference(ids, sp)
+            out = c.post("/generate", json={"input_ids": ids, "sampling_params": sp}).json()
+            t.check(out, want)
+            chunks = _sse_chunks(c.post("/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True}))
+            assert chunks[-1]["output_ids"] == want[0]
+            assert len(chunks) == chunks[-1]["meta_info"]["blocks"]  # one chunk per committed block
+            for a, b in zip(chunks, chunks[1:]):
+                assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+            body = {"model": "tiny", "prompt": ids, "max_tokens": 20, "decoder": "threshold", "mode": "S"}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            r = c.post("/v1/completions", json={**body, "decoder": "levenshtein", "mbe_window": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "mbe_window", r.text
+            metrics = c.get("/metrics").text
+        deletes = [ln for ln in metrics.splitlines()
+                   if ln.startswith("redraft:structural_edits_total{") and 'op="delete"' in ln]
+        assert sum(float(ln.rsplit(" ", 1)[1]) for ln in deletes) == 2 * want[2]
+    finally:
+        server.stop()
