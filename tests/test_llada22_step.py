@@ -269,3 +269,63 @@ def test_redraft_serve(t22: Cache, tmp_path: Path) -> None:
         assert sum(float(ln.rsplit(" ", 1)[1]) for ln in deletes) == 2 * want[2]
     finally:
         server.stop()
+
+
+def test_a_failed_batch_restarts_levenshtein_blocks_from_their_entry(t22: Cache) -> None:
+    """A forward that fails for one request mid-way through another's block: the batch is rerun in halves, the
+    Levenshtein row (whose step state lives on the device only) restarts its block from its entry, and its
+    tokens and forward count are still the definition's."""
+    from redraft.engine.faults import FaultInjector
+    from redraft.protocol.sampling_params import SamplingParams
+
+    t = t22[2]
+    core = redraft.Engine(model_path=str(t.dir), device="cpu", dtype="float64", progress=False).core
+    try:
+        core.faults = core.runner.faults = FaultInjector([("forward", "bad")])
+        # settings under which the schedule and the hard cap decide (a row reloaded mid-block would differ)
+        ids, sp = t.prompt(25, salt=11), {"max_new_tokens": 45, "threshold": 0.95, "steps": 8,
+                                          "max_steps_per_block": 9}
+        core.add_request("good", ids, SamplingParams.from_dict(sp))
+        got, meta, bad = [], {}, None
+        for i in range(400):
+            if i == 4:
+                core.add_request("bad", t.prompt(5), SamplingParams.from_dict({"max_new_tokens": 8}))
+            for out in core.step():
+                if out.rid == "good":
+                    got += out.new_ids
+                    meta = out.meta if out.finished else meta
+                else:
+                    bad = out.finish_reason
+            if not core.has_work():
+                break
+        assert bad is not None and bad["type"] == "error"
+        assert (got, meta["steps"], meta["deletions"], meta["insertions"]) == t.reference(ids, sp)
+    finally:
+        core.shutdown()
+
+
+def test_logprobs_and_score_never_show_structural_tokens(t22: Cache) -> None:
+    t = t22[0]
+    ids = t.prompt(12, salt=5)
+    sp = {"max_new_tokens": 40, "logprobs": True, "top_logprobs": 5}
+    out = t.engine.generate(input_ids=ids, sampling_params=sp)
+    assert out["output_ids"] == t.reference(ids, {"max_new_tokens": 40})[0]  # logprobs change nothing
+    lps, tops = out["meta_info"]["output_token_logprobs"], out["meta_info"]["output_top_logprobs"]
+    assert len(lps) == len(out["output_ids"])
+    assert not {t.del_id, t.spl_id, t.mask_id} & {tok for top in tops for _, tok, *_ in top}
+    echo = t.engine.prompt_logprobs(ids + out["output_ids"], top_k=5)  # /score's and echo's path
+    alternatives = {tok for entry in echo if entry is not None for tok, _ in entry[1]}
+    assert len(alternatives) > 5 and not {t.del_id, t.spl_id, t.mask_id} & alternatives
+
+
+def test_seeded_sampling_is_batch_invariant(t22: Cache) -> None:
+    """temperature > 0 (outside the definition, which is greedy): the proposals are sampled as for the 2.1 step,
+    the rest of the step as defined; a request's tokens do not depend on its batch neighbours."""
+    t = t22[1]
+    prompts, params = _mixed(t)
+    params = [dict(p, temperature=0.8, seed=40 + k) for k, p in enumerate(params)]
+    together = t.engine.generate(input_ids=prompts, sampling_params=params)
+    for k, (ids, sp) in enumerate(zip(prompts, params)):
+        alone = t.engine.generate(input_ids=ids, sampling_params=sp)
+        assert together[k]["output_ids"] == alone["output_ids"], f"request {k}"
+        assert not {t.mask_id, t.del_id, t.spl_id} & set(alone["output_ids"])
