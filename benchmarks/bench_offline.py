@@ -133,7 +133,8 @@ def print_decoders(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\nmachine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} torch threads, "
           f"torch {torch.__version__}; tiny LLaDA2.2 checkpoint (seed 0), mode {args.mode}, {args.new_tokens} new "
           "tokens per request (ignore_eos), float32\n")
-    print("| batch | decoder | tokens/s | tokens/forward | batch forwards | step host ms/forward | deletions | insertions |")
+    print("| batch | decoder | tokens/s | tokens/forward | batch forwards | step host ms/forward | deletions "
+          "| insertions |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['decoder']} | {r['tok_per_s']:.1f} | {r['tok_per_forward']:.2f} | "

@@ -395,9 +395,11 @@ class ModelRunner:
         whose `ended`, `deletions`, `insertions` say what the Levenshtein rows did (ended -1 on the others)."""
         n, width, b = v.shape[0], v.shape[1], self.block_size
         idx = torch.tensor(lev, device=self.device)
-        rest = [i for i in range(n) if i not in set(lev)]
+        lev_set = set(lev)
+        rest = [i for i in range(n) if i not in lev_set]
         ended = torch.full((n,), -1, dtype=torch.long, device=self.device)
-        dels, ins = torch.zeros(n, dtype=torch.long, device=self.device), torch.zeros(n, dtype=torch.long, device=self.device)
+        dels = torch.zeros(n, dtype=torch.long, device=self.device)
+        ins = torch.zeros_like(dels)
         if rest:
             base = self._advance(v[rest], p[rest], slots[rest])
             tokens, m2t, t2t, had = (torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=self.device)

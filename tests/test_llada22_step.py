@@ -142,7 +142,8 @@ def test_every_path_runs_on_the_tiny_checkpoints(t22: Cache) -> None:
 def _mixed(t: Tiny22) -> tuple[list[list[int]], list[dict[str, Any]]]:
     prompts = [t.prompt(n, salt=7) for n in (3, 20, 33, 50, 64)]
     params = [{"max_new_tokens": 40}, {"decoder": "threshold", "mode": "S", "max_new_tokens": 50},
-              {"mode": "Q", "steps": 8, "max_new_tokens": 40}, {"decoder": "threshold", "mode": "Q", "max_new_tokens": 30},
+              {"mode": "Q", "steps": 8, "max_new_tokens": 40},
+              {"decoder": "threshold", "mode": "Q", "max_new_tokens": 30},
               {"max_post_steps": 0, "max_new_tokens": 40, "ignore_eos": True}]
     return prompts, params
 
