@@ -142,3 +142,34 @@ def test_step_matches_the_scalar_reference(kind: str) -> None:
     if kind == "cycle":
         assert escapes > 0, "the cycling logits never reached the anti-loop"
     assert sum(c.final_rounds for c in counts) > 0
+
+
+# ---- the request's settings ------------------------------------------------------------------------------------
+def test_settings_resolve_through_the_defaults_chain() -> None:
+    from redraft.protocol.sampling_params import Defaults, SamplingParams, SamplingParamsError, resolve
+
+    checkpoint = Defaults(decoder="levenshtein")  # what startup adds for a checkpoint with DELETE and SPLIT
+    r = resolve(SamplingParams(), [Defaults(), checkpoint])
+    assert (r.decoder, r.mode, r.threshold, r.edit_threshold, r.max_post_steps, r.steps, r.max_steps_per_block) == \
+        ("levenshtein", "S", 0.5, 0.0, 16, 32, 1000)
+    gen = Defaults.from_generation_config({"threshold": 0.6, "steps": 8, "max_steps_per_block": 50})
+    r = resolve(SamplingParams(), [gen, checkpoint])
+    assert (r.threshold, r.edit_threshold, r.steps, r.max_steps_per_block) == (0.6, 0.0, 8, 50)
+    r = resolve(SamplingParams(mode="Q", steps=4, decoder="threshold"), [gen, checkpoint])
+    assert (r.decoder, r.threshold, r.edit_threshold, r.steps) == ("threshold", 0.7, 0.5, 4)
+    r = resolve(SamplingParams(), [])  # a 2.1 checkpoint: unchanged
+    assert (r.decoder, r.mode, r.threshold) == ("threshold", "Q", 0.7)
+    for bad in ({"decoder": "beam"}, {"steps": 0}, {"max_steps_per_block": 5000}, {"steps": 2.5}):
+        with pytest.raises(SamplingParamsError) as err:
+            SamplingParams.from_dict(bad)
+        assert err.value.param == next(iter(bad))
+
+
+def test_make_tiny_cli(tmp_path) -> None:
+    import json
+
+    from redraft.cli import main
+
+    assert main(["make-tiny", str(tmp_path / "t"), "--llada22", "--seed", "3"]) == 0
+    raw = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert raw["delete_token_id"] == 448 and raw["split_token_id"] == 449 and raw["expert_capacity"] == 4
