@@ -35,6 +35,7 @@ class Counts:
     blocks: int = 0
     escapes: int = 0  # anti-loop replacements (step 11)
     final_rounds: int = 0
+    converged: int = 0  # blocks that ended on a forward that found no mask and changed nothing
     forwards_per_block: list[int] = field(default_factory=list)
 
 
@@ -178,6 +179,7 @@ def naive_generate_llada22(model: LogitsModel, input_ids: list[int], *, max_new_
             if blk.finalized:  # 1: the stability forward
                 break
             if blk.iterate(logits, counts):
+                counts.converged += 1
                 break
         x[lo:hi] = blk.x
         counts.blocks += 1

@@ -133,10 +133,19 @@ def test_engine_matches_the_definition_more(t22: Cache, case: tuple[int, int, in
 
 
 def test_every_path_runs_on_the_tiny_checkpoints(t22: Cache) -> None:
-    """The tiny 2.2 weights make the step delete and insert (else the tests above would prove little)."""
-    t = t22[0]
-    out = t.engine.generate(input_ids=t.prompt(20), sampling_params={"max_new_tokens": 64})
-    assert out["meta_info"]["deletions"] > 0 and out["meta_info"]["insertions"] > 0
+    """The tiny 2.2 weights make the step delete and insert, end blocks both ways (a forward that found no mask
+    and changed nothing; a final round then the stability forward), and the engine follows: else the tests
+    above would prove little."""
+    sp = {"mode": "Q", "max_new_tokens": 64, "ignore_eos": True}
+    paths = {"deletions": 0, "insertions": 0, "converged": 0, "final_rounds": 0}
+    for seed, salt in ((0, 1), (2, 1)):
+        t = t22[seed]
+        ids = t.prompt(20, salt=salt)
+        out, c = naive_generate_llada22(t.naive, ids, max_new_tokens=64, settings=t.settings(sp), mask_id=t.mask_id,
+                                        del_id=t.del_id, spl_id=t.spl_id, stop_ids=set())
+        paths = {k: v + getattr(c, k) for k, v in paths.items()}
+        t.check(t.engine.generate(input_ids=ids, sampling_params=sp), (out, c.forwards, c.deletions, c.insertions))
+    assert all(paths.values()), paths
 
 
 def _mixed(t: Tiny22) -> tuple[list[list[int]], list[dict[str, Any]]]:
