@@ -243,9 +243,13 @@ class LevenshteinSlots:
                         max_steps_per_block=self.max_steps_per_block[slots])
 
     def advance(self, logits: torch.Tensor, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
-                tokens: torch.Tensor, threshold: torch.Tensor, edit_threshold: torch.Tensor) -> LevenshteinResult:
+                tokens: torch.Tensor, threshold: torch.Tensor, edit_threshold: torch.Tensor,
+                history: int | None = None) -> LevenshteinResult:
         """The step for the rows `slots` [N] (logits [N, B, V], MASK at -inf; v, p, tokens [N, B]); their state
-        here moves to the next iteration. The caller stores result.tokens as the rows' blocks."""
+        here moves to the next iteration. The caller stores result.tokens as the rows' blocks. `history`: an
+        upper bound on the rows' `seen` length after this step (their forwards in this block so far + 1),
+        which spares a device sync; None: read it from the device."""
+        self._reserve(history if history is not None else int(self.seen_len[slots].max()) + 1)
         st = self.state(slots, tokens)
         result, nxt, y, append = levenshtein_step(logits, v, p, st, self.settings(slots, threshold, edit_threshold),
                                                   self.ids)
@@ -255,13 +259,16 @@ class LevenshteinSlots:
         return result
 
     def _remember(self, slots: torch.Tensor, y: torch.Tensor, append: torch.Tensor) -> None:
-        """Append y to `seen` of the rows in `append` (growing the history when a row has filled it)."""
-        rows = append.nonzero().flatten()
-        if rows.numel() == 0:
-            return
-        where = self.seen_len[slots[rows]]  # [n]
-        if int(where.max()) >= self.seen.shape[1]:
-            grow = self.seen.new_zeros(self.seen.shape[0], _SEEN_CHUNK, self.block_size)
+        """Append y to `seen` of the rows in `append` (room was reserved), with no device sync."""
+        # (every row writes: a row that does not append writes its own entry back where nothing is kept)
+        where = self.seen_len[slots].clamp(max=self.seen.shape[1] - 1)  # [N]
+        old = self.seen[slots, where]  # [N, B]
+        self.seen[slots, where] = torch.where(append[:, None], y, old)
+        self.seen_len[slots] += append.long()
+
+    def _reserve(self, entries: int) -> None:
+        """Room for `entries` history rows per slot (grown in chunks: a block's steps are few in practice)."""
+        if entries > self.seen.shape[1]:
+            more = -(-(entries - self.seen.shape[1]) // _SEEN_CHUNK) * _SEEN_CHUNK
+            grow = self.seen.new_zeros(self.seen.shape[0], more, self.block_size)
             self.seen = torch.cat([self.seen, grow], dim=1)
-        self.seen[slots[rows], where] = y[rows]
-        self.seen_len[slots[rows]] = where + 1

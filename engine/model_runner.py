@@ -384,13 +384,14 @@ class ModelRunner:
         lev = [i for i, r in enumerate(reqs) if r.params.levenshtein]
         if not lev:
             result = self._advance(v, p, slots)
-        else:
-            result = self._advance_mixed(logits, v, p, slots, lev)
+        else:  # (a bound on the history rows the Levenshtein step may append to, known here without a sync)
+            history = max(reqs[i].state.stats.steps - reqs[i].state.block_start_stats.steps for i in lev) + 1
+            result = self._advance_mixed(logits, v, p, slots, lev, history)
         self.step_seconds += time.perf_counter() - t0
         return result
 
     def _advance_mixed(self, logits: torch.Tensor, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
-                       lev: list[int]) -> StepResult:
+                       lev: list[int], history: int) -> StepResult:
         """The Levenshtein step on rows `lev` (one block each) and the 2.1 step on the others, as one StepResult
         whose `ended`, `deletions`, `insertions` say what the Levenshtein rows did (ended -1 on the others)."""
         n, width, b = v.shape[0], v.shape[1], self.block_size
@@ -411,8 +412,10 @@ class ModelRunner:
             m2t = torch.zeros(n, width, dtype=torch.bool, device=self.device)
             t2t, had = torch.zeros_like(m2t), torch.zeros(n, dtype=torch.bool, device=self.device)
         s, rows = self.slots, slots[idx]
-        res: LevenshteinResult = self.lev.advance(logits[idx, :b], v[idx, :b], p[idx, :b], rows, s.tokens[rows, :b],
-                                                  s.threshold[rows], s.edit_threshold[rows])
+        whole = len(lev) == n and width == b  # every row, one block each: no copy of the logits
+        sub = logits if whole else logits[idx, :b]  # [n, B, V]
+        res: LevenshteinResult = self.lev.advance(sub, v[idx, :b], p[idx, :b], rows, s.tokens[rows, :b],
+                                                  s.threshold[rows], s.edit_threshold[rows], history)
         s.tokens[rows, :b] = res.tokens
         s.steps[rows] += 1
         tokens[idx] = s.tokens[rows, :width]
