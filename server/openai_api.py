@@ -163,13 +163,17 @@ def parse_tool_calls(state: ServerState, out: OutputStream) -> tuple[str | None,
 def diffusion_stats(outs: list[OutputStream]) -> dict:
     forwards = sum(o.meta.get("steps", 0) for o in outs)
     tokens = sum(len(o.ids) for o in outs)
-    return {
+    stats = {
         "forwards": forwards,
         "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0,
         "edits": sum(o.meta.get("edits", 0) for o in outs),
         "mode": outs[0].meta.get("mode") if outs else None,
         "first_forward": [o.meta.get("first_forward") for o in outs],  # the engine forward each choice began at
     }
+    if any(o.meta.get("decoder") == "levenshtein" for o in outs):  # LLaDA2.2's structural edits (docs/llada22.md)
+        stats.update(deletions=sum(o.meta.get("deletions", 0) for o in outs),
+                     insertions=sum(o.meta.get("insertions", 0) for o in outs))
+    return stats
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -270,13 +270,17 @@ def test_redraft_serve(t22: Cache, tmp_path: Path) -> None:
                 assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
             body = {"model": "tiny", "prompt": ids, "max_tokens": 20, "decoder": "threshold", "mode": "S"}
             r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and "deletions" not in r.json()["diffusion"], r.text
+            r = c.post("/v1/completions", json={**body, "decoder": "levenshtein", "max_tokens": 64})
             assert r.status_code == 200, r.text
+            diffusion = r.json()["diffusion"]
+            assert diffusion["deletions"] > 0 and diffusion["forwards"] > 0, diffusion
             r = c.post("/v1/completions", json={**body, "decoder": "levenshtein", "mbe_window": 2})
             assert r.status_code == 400 and r.json()["error"]["param"] == "mbe_window", r.text
             metrics = c.get("/metrics").text
         deletes = [ln for ln in metrics.splitlines()
                    if ln.startswith("redraft:structural_edits_total{") and 'op="delete"' in ln]
-        assert sum(float(ln.rsplit(" ", 1)[1]) for ln in deletes) == 2 * want[2]
+        assert sum(float(ln.rsplit(" ", 1)[1]) for ln in deletes) == 2 * want[2] + diffusion["deletions"]
     finally:
         server.stop()
 
