@@ -1,7 +1,7 @@
 """LLaDA2.2's Levenshtein step (M2T, T2T, DELETE and SPLIT) for a whole batch at once, with its per-slot state.
 
-THE definition is ../docs/llada22.md ("The Levenshtein step"), after ../../shared/reference/llada22-decoding.md,
-"Decoding one block", steps 1-13; the comments below number the steps the same way. One block of B positions
+THE definition is the project's LLaDA2.2 decoding reference ("Decoding one block", steps 1-13), as
+docs/llada22.md restates it with the choices redraft made; the comments below number the steps the same way. One block of B positions
 per request (multi-block editing is refused for this step at admission). Everything is tensor ops over
 [N, B] rows; the only Python loops are over the at most five anti-loop rounds and the slots being (re)loaded.
 
@@ -175,7 +175,7 @@ def levenshtein_step(logits: torch.Tensor, v: torch.Tensor, p: torch.Tensor, st:
     t2t = ~masked & ~st.prompt & (v != x) & (p > s.edit_threshold[:, None].to(p.dtype))  # 8
     write = m2t | t2t  # 9
     structural = (v == ids.delete) | (v == ids.split)
-    fix = final[:, None] & write & structural
+    fix = (final & ~stable)[:, None] & write & structural
     if bool(fix.any()):
         v = torch.where(fix, argmax_excluding(logits, [ids.delete, ids.split]), v)
     y = torch.where(write, v, x)  # 10
