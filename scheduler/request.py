@@ -291,24 +291,20 @@ class Request(RequestInputs):
         edits landed in blocks before the active one). `ended`: the step's own verdict (the Levenshtein step:
         the block commits after this forward, which saw its final tokens), else LLaDA2.1's rule below."""
         s, b = self.state, self.block_size
-        s.stats.deletions += deletions
-        s.stats.insertions += insertions
-        if ended is not None:
-            s.stats.steps += 1
-            s.stats.m2t += m2t
-            s.stats.edits += t2t
-            s.tokens[s.window_start * b : (s.active_block + 1) * b] = new_window
-            return StepEnd(ended, s.active_block + 1 if ended else s.window_start)
         s.stats.steps += 1
         s.stats.m2t += m2t
         s.stats.edits += t2t
         s.stats.mbe_edits += mbe_edits
+        s.stats.deletions += deletions
+        s.stats.insertions += insertions
         window = slice(s.window_start * b, (s.active_block + 1) * b)
-        if s.edit_trace is not None:
+        if s.edit_trace is not None and ended is None:  # (positions shift under the Levenshtein step: no trace)
             for i, (old, new) in enumerate(zip(s.tokens[window], new_window)):
                 if old != self.mask_id and old != new:
                     s.edit_trace.append((window.start + i - self.prompt_len, old, new))
         s.tokens[window] = new_window
+        if ended is not None:  # W = 1 (admission): an ended block's last forward saw its final tokens
+            return StepEnd(ended, s.active_block + 1 if ended else s.window_start)
         if not had_mask and t2t == 0:
             # W = 1: the forward saw the block's final tokens, block-causally, and no later window will reopen
             # it. (With W > 1 the block stays open, or its K/V saw later blocks: it is recomputed on commit.)
