@@ -82,7 +82,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     params = {}  # what the command line names; the engine resolves the rest (defaults chain)
-    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps"):
+    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps", "decoder",
+                "steps", "max_steps_per_block"):
         if getattr(args, key) is not None:
             params[key] = getattr(args, key)
     if args.request_seed is not None:
@@ -93,8 +94,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(out["text"])
         m = out["meta_info"]
+        structural = f", {m['deletions']} deletions, {m['insertions']} insertions" \
+            if m.get("decoder") == "levenshtein" else ""
         print(f"[{m['completion_tokens']} tokens, {m['steps']} forwards, {m['tokens_per_forward']:.2f} tokens/forward, "
-              f"{m['edits']} edits, mode {m['mode']}, finish {m['finish_reason']['type']}]", file=sys.stderr)
+              f"{m['edits']} edits{structural}, mode {m['mode']}, finish {m['finish_reason']['type']}]",
+              file=sys.stderr)
     return 0
 
 
@@ -147,6 +151,10 @@ def _add_engine_commands(sub: "argparse._SubParsersAction") -> None:
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--edit-threshold", type=float, default=None)
     gen.add_argument("--max-post-steps", type=int, default=None)
+    gen.add_argument("--decoder", choices=["levenshtein", "threshold"], default=None,
+                     help="LLaDA2.2: the insert/delete step (default on such a checkpoint) or LLaDA2.1's")
+    gen.add_argument("--steps", type=int, default=None, help="the Levenshtein step's scheduled transfers per block")
+    gen.add_argument("--max-steps-per-block", type=int, default=None, help="the Levenshtein step's hard cap")
     # dest request_seed: the request's sampling seed, never ServerArgs.seed (the seed of --load-format dummy weights)
     gen.add_argument("--seed", dest="request_seed", type=int, default=None,
                      help="the request's sampling seed (temperature > 0)")

@@ -343,3 +343,18 @@ def test_seeded_sampling_is_batch_invariant(t22: Cache) -> None:
         alone = t.engine.generate(input_ids=ids, sampling_params=sp)
         assert together[k]["output_ids"] == alone["output_ids"], f"request {k}"
         assert not {t.mask_id, t.del_id, t.spl_id} & set(alone["output_ids"])
+
+
+def test_generate_command(t22: Cache, capsys: pytest.CaptureFixture) -> None:
+    from redraft.cli import main
+
+    t = t22[0]
+    args = ["generate", "--model", str(t.dir), "--dtype", "float64", "--raw", "Hello there", "--max-new-tokens", "40",
+            "--json"]
+    assert main([*args, "--steps", "8", "--max-steps-per-block", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ids = t.engine.tokenizer.encode("Hello there")
+    want = t.reference(ids, {"max_new_tokens": 40, "steps": 8, "max_steps_per_block": 6})
+    t.check(out, want)
+    assert main([*args, "--decoder", "threshold"]) == 0
+    assert json.loads(capsys.readouterr().out)["meta_info"]["decoder"] == "threshold"
