@@ -3,6 +3,7 @@ without a KV cache (full recompute of the prefix every forward, one request at a
 
     python benchmarks/bench_offline.py                # tiny + ~50M configs, batch 1 and 16
     python benchmarks/bench_offline.py --configs tiny --batches 1 4 16 --new-tokens 96
+    python benchmarks/bench_offline.py --decoders --batches 1 16   # LLaDA2.2: Levenshtein vs the 2.1 step
 
 Prints a markdown table. The baseline runs the same model code, so the ratio isolates what the paged
 block cache and batching buy.
@@ -97,6 +98,59 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def run_decoders(args: argparse.Namespace) -> list[dict]:
+    """A tiny LLaDA2.2 checkpoint: the Levenshtein step against the 2.1 step (decoder "threshold", DELETE and
+    SPLIT never proposed) on the same engine and prompts, and the step's host time per batch forward
+    (ModelRunner.step_seconds: the decoding step after the logits, device syncs included)."""
+    torch.set_num_threads(args.threads) if args.threads else None
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_checkpoint(Path(tmp) / "tiny22", seed=0, llada22=True)
+        # no prefix cache: every run of the same prompts does the same work
+        engine = Engine(str(path), dtype="float32", progress=False, enable_prefix_cache=False)
+        tok = engine.tokenizer
+        special = {tok.mask_token_id, tok.eos_token_id, *tok.special_token_ids}
+        for batch in args.batches:
+            prompts = make_prompts(batch, engine.model_config.vocab_size, special, seed=batch)
+            runs: dict[str, list[dict]] = {"levenshtein": [], "threshold": []}
+            for _ in range(args.repeat):  # the two decoders interleaved: a busy machine slows both alike
+                for decoder in runs:
+                    runs[decoder].append(_decoder_run(engine, prompts, args, decoder))
+            for decoder, rs in runs.items():
+                mid = sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2]  # the median run
+                rows.append({"batch": batch, "decoder": decoder, **mid,
+                             "step_ms": sorted(r["step_ms"] for r in rs)[len(rs) // 2]})
+        engine.shutdown()
+    return rows
+
+
+def _decoder_run(engine: Engine, prompts: list[list[int]], args: argparse.Namespace, decoder: str) -> dict:
+    params = {"max_new_tokens": args.new_tokens, "mode": args.mode, "ignore_eos": True, "decoder": decoder}
+    timed(engine, prompts[:1], params, one_at_a_time=False)  # warm-up
+    core = engine.core
+    step0, fwd0 = core.runner.step_seconds, core.num_forwards
+    elapsed, outs = timed(engine, prompts, params, one_at_a_time=False)
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    batch_forwards = core.num_forwards - fwd0
+    return {"tokens": tokens, "tok_per_s": tokens / elapsed,
+            "tok_per_forward": tokens / sum(o["meta_info"]["steps"] for o in outs), "batch_forwards": batch_forwards,
+            "step_ms": 1e3 * (core.runner.step_seconds - step0) / max(batch_forwards, 1),
+            "deletions": sum(o["meta_info"]["deletions"] for o in outs),
+            "insertions": sum(o["meta_info"]["insertions"] for o in outs)}
+
+
+def print_decoders(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"\nmachine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} torch threads, "
+          f"torch {torch.__version__}; tiny LLaDA2.2 checkpoint (seed 0), mode {args.mode}, {args.new_tokens} new "
+          f"tokens per request (ignore_eos), float32; medians of {args.repeat} interleaved runs\n")
+    print("| batch | decoder | tokens/s | tokens/forward | batch forwards | step host ms/forward | deletions "
+          "| insertions |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['decoder']} | {r['tok_per_s']:.1f} | {r['tok_per_forward']:.2f} | "
+              f"{r['batch_forwards']} | {r['step_ms']:.2f} | {r['deletions']} | {r['insertions']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"])
@@ -105,7 +159,16 @@ def main() -> None:
     ap.add_argument("--mode", default="S", choices=["S", "Q"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--repeat", type=int, default=3, help="--decoders: runs per case (the median is shown)")
+    ap.add_argument("--decoders", action="store_true",
+                    help="a tiny LLaDA2.2 checkpoint: the Levenshtein step against the 2.1 step (--configs ignored)")
     args = ap.parse_args()
+    if args.decoders:
+        rows = run_decoders(args)
+        print_decoders(rows, args)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return
     rows = run(args)
     print(f"\nmachine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} torch threads, "
           f"torch {torch.__version__}; mode {args.mode}, {args.new_tokens} new tokens per request, float32\n")

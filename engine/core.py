@@ -35,7 +35,7 @@ from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, RequestOutput, ScoreResult
 from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams, SamplingParams, resolve
 from redraft.protocol.server_args import ServerArgs
-from redraft.scheduler.request import FinishReason, Request, stop_ids
+from redraft.scheduler.request import FinishReason, Request, Status, stop_ids
 from redraft.scheduler.scheduler import QueueFull, RequestTooLarge, StepOutput, WorkItem, describe, error_reason
 
 log = logging.getLogger("redraft.engine")
@@ -152,11 +152,31 @@ class EngineCore:
         if resolved.min_tokens > resolved.max_new_tokens:
             raise RequestError(f"min_tokens ({resolved.min_tokens}) is larger than max_new_tokens "
                                f"({resolved.max_new_tokens})", param="min_tokens")
+        self._check_decoder(resolved)
         if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
             resolved = replace(resolved, seed=self._seeds.getrandbits(62))
         constraint = self._constraint(rid, len(ids), resolved) if resolved.grammar is not None else None
         return Request(rid, ids, resolved, mask_id, self.tokenizer.eos_token_ids, trace_edits=self.args.trace_edits,
                        constraint=constraint)
+
+    def _check_decoder(self, params: ResolvedParams) -> None:
+        """The Levenshtein step (LLaDA2.2, docs/llada22.md) needs a checkpoint that predicts DELETE and SPLIT, and
+        runs one block at a time without a grammar: anything else is a 400 that says why."""
+        if not params.levenshtein:
+            return
+        if not self.model_config.structural_edits:
+            raise RequestError("decoder 'levenshtein' needs a LLaDA2.2 checkpoint (delete_token_id and "
+                               "split_token_id in config.json); this one has none: use decoder 'threshold'",
+                               param="decoder")
+        if params.mbe_window > 1:
+            raise RequestError(f"mbe_window {params.mbe_window} is not supported with decoder 'levenshtein': its "
+                               "insertions and deletions shift positions inside one block, and multi-block editing "
+                               "of such blocks is not defined; use mbe_window 1 or decoder 'threshold'",
+                               param="mbe_window")
+        if params.grammar is not None:
+            raise RequestError(f"structured output ({params.grammar[0]}) is not supported with decoder "
+                               "'levenshtein': its insertions and deletions move tokens the grammar has already "
+                               "validated; use decoder 'threshold' for constrained output", param=params.grammar[0])
 
     def _constraint(self, rid: str, prompt_len: int, params: ResolvedParams) -> Constraint:
         """The grammar state of a constrained request; RequestError naming the field when it does not compile."""
@@ -263,6 +283,9 @@ class EngineCore:
             raise EngineFault(f"the forward failed alike for {len(rids)} requests in a row: {key}") from exc
 
     def _reset_rows(self, items: list[WorkItem]) -> None:
+        for it in items:  # the Levenshtein step's row state is not in the request: its block starts over
+            if it.req.params.levenshtein and it.req.state.status is Status.RUNNING and not it.req.finished:
+                it.req.restart_block()
         self.runner.slots.forget([it.req for it in items])  # resynced from the requests before their next forward
 
     def _output_guarded(self, req: Request) -> RequestOutput:
@@ -317,6 +340,9 @@ class EngineCore:
             "tokens_per_forward": n_out / max(steps, 1),
             "edits": stats.edits,
             "mbe_edits": stats.mbe_edits,
+            "deletions": stats.deletions,
+            "insertions": stats.insertions,
+            "decoder": req.params.decoder,
             "blocks": stats.blocks,
             "mode": req.params.mode,
             "mbe_window": req.params.mbe_window,

@@ -102,6 +102,11 @@ class StepResult:
     m2t: torch.Tensor  # [N, L] bool: masks filled
     t2t: torch.Tensor  # [N, L] bool: tokens edited
     had_mask: torch.Tensor  # [N] bool: the window held a mask before the step
+    # LLaDA2.2's Levenshtein step (engine/levenshtein.py), None when no row ran it: per row 1 = the block commits
+    # after this forward, 0 = it goes on, -1 = a 2.1 row (Request.apply_step's own rule); DELETEs and SPLITs applied
+    ended: torch.Tensor | None = None  # [N] long
+    deletions: torch.Tensor | None = None  # [N] long
+    insertions: torch.Tensor | None = None  # [N] long
 
 
 def exclude_mask_(logits: torch.Tensor, mask_id: int) -> torch.Tensor:

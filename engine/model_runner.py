@@ -24,6 +24,7 @@ from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
 from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, propose, threshold_step
 from redraft.engine.faults import NO_FAULTS, FaultInjector
+from redraft.engine.levenshtein import LevenshteinResult, LevenshteinSlots, StructuralIds
 from redraft.engine.logit_controls import LogitControls
 from redraft.engine.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
@@ -91,6 +92,10 @@ def merge_outputs(parts: list[tuple[list[int], StepOutput]], n: int) -> StepOutp
             if part.confidence:
                 out.confidence = out.confidence or [None] * n
                 out.confidence[i] = part.confidence[j]
+            if part.ended:
+                out.ended = out.ended or [None] * n
+                out.deletions, out.insertions = out.deletions or [0] * n, out.insertions or [0] * n
+                out.ended[i], out.deletions[i], out.insertions[i] = part.ended[j], part.deletions[j], part.insertions[j]
     if all(lp is None for lp in out.logprobs):
         out.logprobs, out.top_logprobs = [], []
     return out
@@ -188,6 +193,14 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P + 1, B, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.slots = SlotState(num_slots, BLOCK_SIZE, self.device)
+        # LLaDA2.2 checkpoints (DELETE and SPLIT in the vocabulary): the Levenshtein step's rows, and the two ids
+        # every other use of the distribution leaves out (the 2.1 step on such a checkpoint, logprobs)
+        self.structural: StructuralIds | None = None
+        self.lev: LevenshteinSlots | None = None
+        if cfg.structural_edits:
+            self.structural = StructuralIds(mask_id, cfg.delete_token_id, cfg.split_token_id)
+            self.lev = LevenshteinSlots(num_slots, BLOCK_SIZE, self.structural, self.device)
+        self.step_seconds = 0.0  # host time in the decoding step (`_step`), in total: benchmarks read it
         self.controls = LogitControls(cfg.vocab_size, eos_id, self.device)
         log.info(
             "KV cache: %d pages x %d tokens (%.1f MiB)",
@@ -246,7 +259,8 @@ class ModelRunner:
         """The step for rows [N, L] of the forward's hidden states. A request that needs nothing but each position's
         argmax and its probability (`needs_distribution` false) gets them from the lm_head in vocabulary chunks
         (kernels/vocab_top1.py: no [L, V] logits); the others get full logits, as before."""
-        quick = [i for i, r in enumerate(reqs) if self.vocab_reduce and not needs_distribution(r)]
+        # (a LLaDA2.2 checkpoint's rows all read full logits: DELETE/SPLIT are left out or ranked below the top-1)
+        quick = [i for i, r in enumerate(reqs) if self.vocab_reduce and self.lev is None and not needs_distribution(r)]
         if not quick:
             return self._decide(self.model.logits(hidden, rows), reqs, failed)  # [N, L, V]
         quick_set = set(quick)
@@ -279,6 +293,10 @@ class ModelRunner:
         """The step on full logits [N, L, V] (>= fp32, a scratch of ours): logit controls, the step, structured
         output's sweep, logprobs."""
         exclude_mask_(logits, self.mask_id)  # the step and the logprobs both read it this way
+        if self.structural is not None:  # the 2.1 step on a 2.2 checkpoint never proposes DELETE or SPLIT
+            rows = [i for i, r in enumerate(reqs) if not r.params.levenshtein]
+            if rows:
+                self._exclude_structural(logits, rows)
         slots = self.slots.slot_ids(reqs)  # [N]
         lens = [r.window_size * self.block_size for r in reqs]  # each window's positions
         if any(r.params.has_logit_controls for r in reqs):
@@ -294,8 +312,16 @@ class ModelRunner:
         out = self._step_output(result, lens, reqs)
         wants = [r.params.wants_logprobs for r in reqs]
         if any(wants):
+            if self.structural is not None:  # DELETE/SPLIT never reach logprobs (2.2 rows saw them in the step)
+                self._exclude_structural(logits, [i for i, w in enumerate(wants) if w])
             self._logprobs(logits, result.tokens, reqs, wants, lens, out)
         return out
+
+    def _exclude_structural(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """DELETE's and SPLIT's logits to -inf in rows `rows` of logits [N, L, V], in place."""
+        idx = torch.tensor(rows, device=logits.device)
+        for t in (self.structural.delete, self.structural.split):
+            logits[idx, :, t] = float("-inf")
 
     def _step_output(self, result: StepResult, lens: list[int], reqs: list[Request]) -> StepOutput:
         """The step's result as plain lists, read from the device in one transfer: per row the window's tokens,
@@ -305,16 +331,26 @@ class ModelRunner:
         # T2T edits in blocks before the active one (the last block of each window): multi-block edits
         before_active = torch.arange(width, device=self.device)[None, :] < \
             torch.tensor(lens, device=self.device)[:, None] - self.block_size
+        cols = [result.tokens, result.had_mask[:, None], result.m2t.sum(-1, keepdim=True),
+                result.t2t.sum(-1, keepdim=True), (result.t2t & before_active).sum(-1, keepdim=True)]
+        levenshtein = result.ended is not None  # the Levenshtein step's rows: -1 = the 2.1 rule (another row)
+        if levenshtein:
+            cols += [result.ended[:, None], result.deletions[:, None], result.insertions[:, None]]
         streams = [r.params.stream_denoise for r in reqs]
-        extra = [denoise_columns(result)] if any(streams) else []
-        packed = torch.cat([result.tokens, result.had_mask[:, None], result.m2t.sum(-1, keepdim=True),
-                            result.t2t.sum(-1, keepdim=True), (result.t2t & before_active).sum(-1, keepdim=True),
-                            *extra], dim=1).tolist()  # [N, L + 4 (+ L)]: the one device -> host read
+        if any(streams):
+            cols.append(denoise_columns(result))
+        # [N, L + 4 (+ 3) (+ L)]: the one device -> host read
+        packed = torch.cat([c.long() for c in cols], dim=1).tolist()
         out = StepOutput(tokens=[row[:n] for row, n in zip(packed, lens)],
                          had_mask=[bool(row[width]) for row in packed], m2t=[row[width + 1] for row in packed],
                          t2t=[row[width + 2] for row in packed], mbe_edits=[row[width + 3] for row in packed])
-        if extra:
-            out.confidence = [unpack_floats(row[width + 4 : width + 4 + n]) if s else None
+        col = width + 4
+        if levenshtein:
+            out.ended = [None if row[col] < 0 else bool(row[col]) for row in packed]
+            out.deletions, out.insertions = [row[col + 1] for row in packed], [row[col + 2] for row in packed]
+            col += 3
+        if any(streams):
+            out.confidence = [unpack_floats(row[col : col + n]) if s else None
                               for row, n, s in zip(packed, lens, streams)]
         return out
 
@@ -335,6 +371,14 @@ class ModelRunner:
                 if r.state.constraint is not None:
                     self._guard(failed, r, "begin_block", r.begin_constraint)
                 self.slots.sync(r)
+                if r.params.levenshtein:
+                    self._load_levenshtein(r)
+
+    def _load_levenshtein(self, r: Request) -> None:
+        """The Levenshtein step's entry state of r's block (from the row SlotState.sync just loaded)."""
+        i, b, p = r.book.slot, self.block_size, r.params
+        self.lev.load(i, self.slots.tokens[i, :b], self.slots.editable[i, :b], p.steps, p.max_post_steps,
+                      p.max_steps_per_block)
 
     def _controls(self, logits: torch.Tensor, window: torch.Tensor, i: int, r: Request) -> None:
         self.controls.apply(logits[i : i + 1], [r], window[i : i + 1], self.mask_id)
@@ -360,9 +404,53 @@ class ModelRunner:
 
     def _step(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request]) -> StepResult:
         """decoding.joint_threshold_step on logits whose MASK is already excluded: propose, then `_advance`."""
+        t0 = time.perf_counter()
         width = logits.shape[1]
         sampling = self.slots.sampling(slots, width) if any(r.params.temperature > 0 for r in reqs) else None
-        return self._advance(*propose(logits, sampling), slots)
+        v, p = propose(logits, sampling)
+        lev = [i for i, r in enumerate(reqs) if r.params.levenshtein]
+        if not lev:
+            result = self._advance(v, p, slots)
+        else:  # (a bound on the history rows the Levenshtein step may append to, known here without a sync)
+            history = max(reqs[i].state.stats.steps - reqs[i].state.block_start_stats.steps for i in lev) + 1
+            result = self._advance_mixed(logits, v, p, slots, lev, history)
+        self.step_seconds += time.perf_counter() - t0
+        return result
+
+    def _advance_mixed(self, logits: torch.Tensor, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
+                       lev: list[int], history: int) -> StepResult:
+        """The Levenshtein step on rows `lev` (one block each) and the 2.1 step on the others, as one StepResult
+        whose `ended`, `deletions`, `insertions` say what the Levenshtein rows did (ended -1 on the others)."""
+        n, width, b = v.shape[0], v.shape[1], self.block_size
+        idx = torch.tensor(lev, device=self.device)
+        lev_set = set(lev)
+        rest = [i for i in range(n) if i not in lev_set]
+        ended = torch.full((n,), -1, dtype=torch.long, device=self.device)
+        dels = torch.zeros(n, dtype=torch.long, device=self.device)
+        ins = torch.zeros_like(dels)
+        if rest:
+            base = self._advance(v[rest], p[rest], slots[rest])
+            tokens, m2t, t2t, had = (torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                                     for t in (base.tokens, base.m2t, base.t2t, base.had_mask))
+            for full, part in ((tokens, base.tokens), (m2t, base.m2t), (t2t, base.t2t), (had, base.had_mask)):
+                full[rest] = part
+        else:
+            tokens = torch.full((n, width), SlotState.PAD, dtype=torch.long, device=self.device)
+            m2t = torch.zeros(n, width, dtype=torch.bool, device=self.device)
+            t2t, had = torch.zeros_like(m2t), torch.zeros(n, dtype=torch.bool, device=self.device)
+        s, rows = self.slots, slots[idx]
+        whole = len(lev) == n and width == b  # every row, one block each: no copy of the logits
+        sub = logits if whole else logits[idx, :b]  # [n, B, V]
+        res: LevenshteinResult = self.lev.advance(sub, v[idx, :b], p[idx, :b], rows, s.tokens[rows, :b],
+                                                  s.threshold[rows], s.edit_threshold[rows], history)
+        s.tokens[rows, :b] = res.tokens
+        s.steps[rows] += 1
+        tokens[idx] = s.tokens[rows, :width]
+        m2t[idx], t2t[idx] = False, False
+        m2t[idx, :b], t2t[idx, :b], had[idx] = res.m2t, res.t2t, res.had_mask
+        ended[idx], dels[idx], ins[idx] = res.ended.long(), res.deletions, res.insertions
+        return StepResult(tokens=tokens, proposal=v, confidence=p, m2t=m2t, t2t=t2t, had_mask=had, ended=ended,
+                          deletions=dels, insertions=ins)
 
     def _advance(self, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor) -> StepResult:
         """M2T and T2T on the slot rows from the proposals v and their probabilities p ([N, L]); the rows then hold

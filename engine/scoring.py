@@ -157,6 +157,8 @@ def score_forward(runner: ModelRunner, queries: list[Query], reads: list[list[tu
     if not flat:
         return [[] for _ in queries]
     logits = exclude_mask_(model.logits(hidden, torch.tensor(flat, device=dev)), runner.mask_id)  # [R, V]
+    if runner.structural is not None:  # LLaDA2.2: DELETE and SPLIT are edits, not text: left out as MASK is
+        logits[:, [runner.structural.delete, runner.structural.split]] = float("-inf")
     lp = finite_logprobs(logits)  # [R, V]
     want = torch.tensor([tok for rs in reads for _, tok in rs], device=dev)  # [R]
     chosen = lp.gather(-1, want[:, None]).squeeze(-1).tolist()

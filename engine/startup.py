@@ -68,8 +68,10 @@ def start_engine(args: ServerArgs) -> EngineParts:
         raise ValueError(f"--context-length {args.context_length} is longer than this checkpoint's "
                          f"max_position_embeddings ({config.max_position_embeddings})")
     tokenizer = Tokenizer.from_pretrained(path, args.chat_template)
-    # The defaults chain below the request: the operator's explicit flags, then generation_config.json.
-    levels = (args.request_defaults(), read_generation_config(path))
+    # The defaults chain below the request: the operator's explicit flags, then generation_config.json, then
+    # what the checkpoint itself implies (LLaDA2.2's Levenshtein step where it predicts DELETE and SPLIT).
+    levels = (args.request_defaults(), read_generation_config(path),
+              Defaults(decoder="levenshtein") if config.structural_edits else Defaults())
     t0 = time.perf_counter()
     # tensor parallelism: this process is rank 0 and loads only its shard (engine/sharding.py) while the other
     # ranks, started first, load theirs (engine/tensor_parallel.py)

@@ -72,6 +72,18 @@ _SELF_COPY = 20.0  # lm_head leans towards each token's own embedding: filled po
 _MASK_EMBED_SCALE = 0.05  # a masked position's state should come from its context, not the mask embedding
 _EXPERT_BIAS_STD = 0.05
 
+# LLaDA2.2 tiny checkpoints (`llada22=True`): the two structural tokens, added as special tokens after the tiny
+# vocabulary, block routing with half the experts admitted per 32-token block, and generation defaults. DELETE
+# and SPLIT read the bias unit like EOS (a fixed lean, the same for every seed) on top of a random row, so they
+# are proposed at some positions of most blocks without taking over: measured with tests/naive_llada22.py.
+DELETE_TOKEN = "<|delete|>"
+SPLIT_TOKEN = "<|split|>"
+LLADA22_CONFIG: dict[str, Any] = {"expert_capacity": 4, "block_size": 32}
+LLADA22_GENERATION: dict[str, Any] = {"threshold": 0.5, "edit_threshold": 0.0, "steps": 32, "max_post_steps": 16,
+                                      "max_steps_per_block": 1000}
+_DELETE_BOOST = 15.0
+_SPLIT_BOOST = 16.5
+
 
 @lru_cache(maxsize=1)
 def _tiny_tokenizer_json() -> str:
@@ -154,6 +166,10 @@ def _lm_head(cfg: ModelConfig, draw: _Draws, embed: torch.Tensor, eos_id: int, m
     copy = (_SELF_COPY / h) * embed
     copy[:, _BIAS_COORD] = 0.0  # the bias unit carries no token identity
     copy[mask_id] = 0.0
+    for structural, boost in ((cfg.delete_token_id, _DELETE_BOOST), (cfg.split_token_id, _SPLIT_BOOST)):
+        if structural is not None:  # LLaDA2.2: a lean towards the edits
+            lm_head[structural, _BIAS_COORD] = boost
+            copy[structural] = 0.0
     return lm_head + copy
 
 
@@ -211,7 +227,8 @@ def _write_safetensors(out: Path, tensors: dict[str, torch.Tensor], shards: int)
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_configs(out: Path, raw: dict[str, Any], eos_id: int, bos_id: int) -> None:
+def _write_configs(out: Path, raw: dict[str, Any], eos_id: int, bos_id: int,
+                   generation_extra: dict[str, Any] | None = None) -> None:
     """config.json (the architecture plus the fields Hugging Face's files carry) and generation_config.json."""
     config_json = {
         **raw,
@@ -226,13 +243,17 @@ def _write_configs(out: Path, raw: dict[str, Any], eos_id: int, bos_id: int) -> 
         "bos_token_id": bos_id,
     }
     (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, **(generation_extra or {})}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, *, dtype: str = "float32", shards: int = 1,
-                         config_overrides: dict[str, Any] | None = None) -> Path:
+                         config_overrides: dict[str, Any] | None = None, llada22: bool = False) -> Path:
     """Write a tiny random LLaDA2 checkpoint to `out_dir` and return its path.
+
+    llada22: a LLaDA2.2 checkpoint (docs/llada22.md): DELETE and SPLIT as two added special tokens (the last two
+    vocabulary rows), `expert_capacity`, `block_size` and the two ids in config.json, the 2.2 decoding defaults
+    in generation_config.json.
 
     Layout: config.json, generation_config.json, model.safetensors (or model-0000i-of-0000N.safetensors plus
     model.safetensors.index.json when shards > 1), tokenizer.json, tokenizer_config.json. Deterministic for a
@@ -246,6 +267,8 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, *, dtype: str = "fl
     out.mkdir(parents=True, exist_ok=True)
 
     tok = tiny_tokenizer()
+    if llada22:
+        tok.add_special_tokens([DELETE_TOKEN, SPLIT_TOKEN])
     save_pretrained_tokenizer(tok, out, load_default_chat_template(), model_max_length=TINY_CONFIG[
         "max_position_embeddings"])
     n_tok = tok.get_vocab_size(with_added_tokens=True)
@@ -255,6 +278,9 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, *, dtype: str = "fl
 
     raw: dict[str, Any] = {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe",
                            **TINY_CONFIG, "vocab_size": n_tok, "pad_token_id": eos_id, "torch_dtype": dtype}
+    if llada22:
+        raw.update(LLADA22_CONFIG, delete_token_id=tok.token_to_id(DELETE_TOKEN),
+                   split_token_id=tok.token_to_id(SPLIT_TOKEN))
     raw.update(config_overrides or {})
     if raw["vocab_size"] < n_tok:
         raise ValueError(f"vocab_size {raw['vocab_size']} is smaller than the tokenizer ({n_tok} tokens)")
@@ -266,5 +292,5 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, *, dtype: str = "fl
     tensors = {n: (t.float() if n.endswith(".expert_bias") else t.to(target)).contiguous()
                for n, t in tensors.items()}
     _write_safetensors(out, tensors, shards)
-    _write_configs(out, raw, eos_id, bos_id)
+    _write_configs(out, raw, eos_id, bos_id, LLADA22_GENERATION if llada22 else None)
     return out

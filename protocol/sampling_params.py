@@ -16,6 +16,12 @@ Mode presets from the LLaDA2.1 model card (block 32, temperature 0):
     Q (quality): threshold 0.7, edit_threshold 0.5, max_post_steps 16
     S (speed):   threshold 0.5, edit_threshold 0.0, max_post_steps 16
 `auto` picks S for the code and math domains and Q otherwise.
+
+LLaDA2.2 checkpoints (docs/llada22.md) add the `decoder` switch: "levenshtein" (the insert/delete step, the
+default on a checkpoint whose config.json names delete_token_id and split_token_id) or "threshold" (LLaDA2.1's
+step; on a 2.2 checkpoint DELETE and SPLIT are then never proposed), and the Levenshtein step's `steps`
+(scheduled transfers) and `max_steps_per_block` (hard cap). A Levenshtein request that names no mode at any
+level gets the 2.2 defaults (threshold 0.5, edit_threshold 0.0, max_post_steps 16: S's values, so mode S).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ PRESETS: dict[str, tuple[float, float, int]] = {
 }
 AUTO_SPEED_DOMAINS = frozenset({"code", "math"})
 MODES = ("S", "Q", "auto")
+DECODERS = ("threshold", "levenshtein")
+MAX_STEPS = 4096  # `steps` and `max_steps_per_block` above this are refused
 MAX_MBE_WINDOW = 8
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_STOP_STRINGS = 4  # OpenAI's cap, on every route
@@ -50,6 +58,9 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "top_k": -1,
     "mode": "Q",
     "mbe_window": 1,
+    "decoder": "threshold",  # startup puts "levenshtein" in a level of its own for a checkpoint with DELETE/SPLIT
+    "steps": 32,
+    "max_steps_per_block": 1000,
 }
 
 
@@ -82,6 +93,9 @@ class Defaults:
     edit_threshold: float | None = None
     max_post_steps: int | None = None
     mbe_window: int | None = None
+    decoder: str | None = None
+    steps: int | None = None
+    max_steps_per_block: int | None = None
 
     def __post_init__(self) -> None:
         _validate_common(self)
@@ -91,7 +105,8 @@ class Defaults:
         """The keys redraft reads from a checkpoint's generation_config.json (`editing_threshold` is the
         diffusers spelling of edit_threshold); anything else there is ignored."""
         values = {k: raw[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "threshold",
-                                      "edit_threshold", "max_post_steps") if raw.get(k) is not None}
+                                      "edit_threshold", "max_post_steps", "steps", "max_steps_per_block")
+                  if raw.get(k) is not None}
         if "edit_threshold" not in values and raw.get("editing_threshold") is not None:
             values["edit_threshold"] = raw["editing_threshold"]
         if values.get("top_k") == 0:
@@ -119,6 +134,9 @@ class SamplingParams:
     edit_threshold: float | None = None
     max_post_steps: int | None = None
     mbe_window: int | None = None
+    decoder: str | None = None  # "levenshtein" | "threshold" (LLaDA2.2 checkpoints: docs/llada22.md)
+    steps: int | None = None  # Levenshtein step: scheduled transfers per block
+    max_steps_per_block: int | None = None  # Levenshtein step: hard cap (the last step is a final round)
     domain: str | None = None
     logprobs: bool = False  # per-token logprobs (of the forward that last saw each block)
     top_logprobs: int = 0  # and the top alternatives at each position, 0..20
@@ -267,6 +285,12 @@ def _validate_common(p: SamplingParams | Defaults) -> None:
         fail("max_post_steps must be an integer in [0, 1024]", "max_post_steps")
     if p.mbe_window is not None and (not _is_int(p.mbe_window) or not 1 <= p.mbe_window <= MAX_MBE_WINDOW):
         fail(f"mbe_window must be an integer in [1, {MAX_MBE_WINDOW}]", "mbe_window")
+    if p.decoder is not None and p.decoder not in DECODERS:
+        fail(f"decoder must be one of {', '.join(DECODERS)}, got {p.decoder!r}", "decoder")
+    for name in ("steps", "max_steps_per_block"):
+        v = getattr(p, name)
+        if v is not None and (not _is_int(v) or not 1 <= v <= MAX_STEPS):
+            fail(f"{name} must be an integer in [1, {MAX_STEPS}]", name)
 
 
 @dataclass(frozen=True)
@@ -298,6 +322,13 @@ class ResolvedParams:
     grammar: tuple[str, str] | None = None  # (constraint field, source): structured output
     stream_denoise: bool = False  # an event per forward (scheduler/denoise_trace.py)
     return_step_maps: bool = False  # meta_info.step_maps
+    decoder: str = "threshold"  # "levenshtein": LLaDA2.2's insert/delete step (engine/levenshtein.py)
+    steps: int = 32
+    max_steps_per_block: int = 1000
+
+    @property
+    def levenshtein(self) -> bool:
+        return self.decoder == "levenshtein"
 
     @property
     def wants_logprobs(self) -> bool:
@@ -329,7 +360,11 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
                 return value, i == 0
         return BUILTIN_DEFAULTS[name], False
 
-    mode = effective_mode(first("mode")[0], params.domain)
+    decoder = first("decoder")[0]
+    named_mode = next((level.mode for level in chain if level.mode is not None), None)
+    # the Levenshtein step's own defaults are S's thresholds (the spec's 0.5 / 0.0 / 16)
+    mode = effective_mode(named_mode or ("S" if decoder == "levenshtein" else BUILTIN_DEFAULTS["mode"]),
+                          params.domain)
     preset = dict(zip(("threshold", "edit_threshold", "max_post_steps"), PRESETS[mode]))
     decoding: dict[str, Any] = {}
     for name in preset:
@@ -370,4 +405,7 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
         grammar=params.grammar,
         stream_denoise=params.stream_denoise,
         return_step_maps=params.return_step_maps,
+        decoder=decoder,
+        steps=int(first("steps")[0]),
+        max_steps_per_block=int(first("max_steps_per_block")[0]),
     )

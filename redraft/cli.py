@@ -82,7 +82,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     params = {}  # what the command line names; the engine resolves the rest (defaults chain)
-    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps"):
+    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps", "decoder",
+                "steps", "max_steps_per_block"):
         if getattr(args, key) is not None:
             params[key] = getattr(args, key)
     if args.request_seed is not None:
@@ -102,8 +103,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(out["text"])
         m = out["meta_info"]
+        structural = f", {m['deletions']} deletions, {m['insertions']} insertions" \
+            if m.get("decoder") == "levenshtein" else ""
         print(f"[{m['completion_tokens']} tokens, {m['steps']} forwards, {m['tokens_per_forward']:.2f} tokens/forward, "
-              f"{m['edits']} edits, mode {m['mode']}, finish {m['finish_reason']['type']}]", file=sys.stderr)
+              f"{m['edits']} edits{structural}, mode {m['mode']}, finish {m['finish_reason']['type']}]",
+              file=sys.stderr)
     return 0
 
 
@@ -116,8 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from redraft.engine.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(args.out, seed=args.seed, dtype=args.dtype, shards=args.shards)
-    print(f"wrote a tiny random LLaDA2 checkpoint to {path}")
+    path = make_tiny_checkpoint(args.out, seed=args.seed, dtype=args.dtype, shards=args.shards, llada22=args.llada22)
+    print(f"wrote a tiny random LLaDA2{'.2' if args.llada22 else ''} checkpoint to {path}")
     return 0
 
 
@@ -156,6 +160,10 @@ def _add_engine_commands(sub: "argparse._SubParsersAction") -> None:
     gen.add_argument("--threshold", type=float, default=None)
     gen.add_argument("--edit-threshold", type=float, default=None)
     gen.add_argument("--max-post-steps", type=int, default=None)
+    gen.add_argument("--decoder", choices=["levenshtein", "threshold"], default=None,
+                     help="LLaDA2.2: the insert/delete step (default on such a checkpoint) or LLaDA2.1's")
+    gen.add_argument("--steps", type=int, default=None, help="the Levenshtein step's scheduled transfers per block")
+    gen.add_argument("--max-steps-per-block", type=int, default=None, help="the Levenshtein step's hard cap")
     # dest request_seed: the request's sampling seed, never ServerArgs.seed (the seed of --load-format dummy weights)
     gen.add_argument("--seed", dest="request_seed", type=int, default=None,
                      help="the request's sampling seed (temperature > 0)")
@@ -173,6 +181,8 @@ def _add_tool_commands(sub: "argparse._SubParsersAction") -> None:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     tiny.add_argument("--shards", type=int, default=1)
+    tiny.add_argument("--llada22", action="store_true",
+                      help="a LLaDA2.2 checkpoint: block routing, DELETE/SPLIT tokens, the Levenshtein step's defaults")
     tiny.set_defaults(func=cmd_make_tiny)
 
     from redraft.clients.bench import add_bench_args

@@ -70,6 +70,8 @@ class DecodeStats:
     edits: int = 0  # T2T replacements
     mbe_edits: int = 0  # of those, the ones in open blocks before the active one (multi-block editing)
     blocks: int = 0  # blocks finished
+    deletions: int = 0  # LLaDA2.2's Levenshtein step: DELETE applied
+    insertions: int = 0  # and SPLIT applied (a mask inserted)
 
 
 def stop_ids(params: ResolvedParams, eos_id: int | frozenset[int]) -> set[int]:
@@ -229,8 +231,19 @@ class Request(RequestInputs):
         """Back to waiting; committed blocks are kept, the window's earlier blocks go back to what they were when
         the active block began, and the active block will start over from all-mask (decoding is
         deterministic from a block's start, so the outcome is unchanged)."""
+        self.state.status = Status.WAITING
+        self.rewind_block()
+
+    def restart_block(self) -> None:
+        """A running request's active block starts over from its entry (its device row is reloaded): the
+        Levenshtein step's state lives on the device only, so a row that must be resynced mid-block restarts
+        the block (decoding is deterministic from a block's entry: the same tokens and forward count)."""
+        self.rewind_block()
+        self._begin_block(self.state.active_block)
+
+    def rewind_block(self) -> None:
+        """The active block back to its entry (tokens, stats, trace), to be begun again."""
         s, b = self.state, self.block_size
-        s.status = Status.WAITING
         s.stats = replace(s.block_start_stats)
         if s.trace is not None and s.block_start_trace is not None:
             s.trace.rollback(s.block_start_trace)
@@ -266,7 +279,10 @@ class Request(RequestInputs):
         s.constraint.begin_block(s.tokens, s.active_block * b, (s.active_block + 1) * b)  # type: ignore[union-attr]
 
     def pre_forward(self) -> bool:
-        """The check before a forward. Returns False when the active block ends here (no forward)."""
+        """The check before a forward. Returns False when the active block ends here (no forward). The
+        Levenshtein step ends its blocks after a forward only (`apply_step`'s `ended`)."""
+        if self.params.levenshtein:
+            return True
         if self.mask_id not in self.active_tokens():  # only the active block can hold masks
             self.state.post_steps += 1
         return self.state.post_steps <= self.params.max_post_steps
@@ -278,19 +294,26 @@ class Request(RequestInputs):
             s.window_logprobs[blk] = (lps[j * b : (j + 1) * b], tops[j * b : (j + 1) * b])
 
     def apply_step(self, new_window: list[int], had_mask: bool, m2t: int, t2t: int, mbe_edits: int = 0,
+                   ended: bool | None = None, deletions: int = 0, insertions: int = 0,
                    confidence: list[float] | None = None) -> StepEnd:
         """Record one denoising forward's result (the window's tokens after the step; `mbe_edits` of the t2t
-        edits landed in blocks before the active one; `confidence`: each position's proposal probability, copied
-        back only for a request that streams its forwards)."""
+        edits landed in blocks before the active one). `ended`: the step's own verdict (the Levenshtein step:
+        the block commits after this forward, which saw its final tokens), else LLaDA2.1's rule below.
+        `confidence`: each position's proposal probability, copied back only for a request that streams its
+        forwards."""
         s, b = self.state, self.block_size
         s.stats.steps += 1
         s.stats.m2t += m2t
         s.stats.edits += t2t
         s.stats.mbe_edits += mbe_edits
+        s.stats.deletions += deletions
+        s.stats.insertions += insertions
         window = slice(s.window_start * b, (s.active_block + 1) * b)
-        if s.trace is not None:
+        if s.trace is not None:  # (under the Levenshtein step positions shift: the trace records them as they are)
             s.trace.record(s.stats.steps, s.active_block, window.start, s.tokens[window], new_window, confidence)
         s.tokens[window] = new_window
+        if ended is not None:  # W = 1 (admission): an ended block's last forward saw its final tokens
+            return StepEnd(ended, s.active_block + 1 if ended else s.window_start)
         if not had_mask and t2t == 0:
             # W = 1: the forward saw the block's final tokens, block-causally, and no later window will reopen
             # it. (With W > 1 the block stays open, or its K/V saw later blocks: it is recomputed on commit.)

@@ -98,6 +98,11 @@ class StepOutput:
     m2t: list[int] = field(default_factory=list)
     t2t: list[int] = field(default_factory=list)
     mbe_edits: list[int] = field(default_factory=list)  # of t2t, the edits in blocks before the active one
+    # The Levenshtein step (LLaDA2.2) per item: whether the block commits after this forward (None: LLaDA2.1's
+    # rule in Request.apply_step), and the DELETEs and SPLITs it applied. Empty when no item runs it.
+    ended: list[bool | None] = field(default_factory=list)
+    deletions: list[int] = field(default_factory=list)
+    insertions: list[int] = field(default_factory=list)
     # Per decoding item, None unless its request asked for logprobs: the log-probability of each position's
     # token after the step, and the top alternatives [(token, logprob), ...] at each position.
     logprobs: list[list[float] | None] = field(default_factory=list)
@@ -221,7 +226,9 @@ class Scheduler:
             req.set_window_logprobs(out.logprobs[i], out.top_logprobs[i])
         mbe = out.mbe_edits[i] if out.mbe_edits else 0
         conf = out.confidence[i] if out.confidence else None
-        end = req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe, conf)
+        structural = (out.ended[i], out.deletions[i], out.insertions[i]) if out.ended else (None, 0, 0)
+        end = req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe, *structural,
+                             confidence=conf)
         req.book.exact_blocks = end.exact_blocks
         if end.ended:
             self._end_block(req)

@@ -24,6 +24,9 @@ DIALS: dict[str, type] = {
     "edit_threshold": float,
     "max_post_steps": int,
     "mbe_window": int,
+    "decoder": str,
+    "steps": int,
+    "max_steps_per_block": int,
     "stutter_penalty": float,
     "domain": str,
     # watching the decoding (docs/denoise.md)

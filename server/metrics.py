@@ -165,6 +165,10 @@ class ServerMetrics:
                                         "MASK for a later forward.")
         self.grammar_forced = counter("redraft:grammar_forced_tokens", "Tokens the grammar placed itself "
                                       "(fast-forward of forced text, closing runs).")
+        # LLaDA2.2's Levenshtein step (docs/llada22.md): DELETEs (op="delete") and SPLITs (op="insert") applied
+        self.structural_edits = counter("redraft:structural_edits", "Structural edits of finished requests "
+                                        "(LLaDA2.2's Levenshtein step): op=delete removed a position, op=insert "
+                                        "inserted a mask.", (*REQUEST_LABELS, "op"))
         self.rejected = counter("redraft:rejected_requests", "Requests the engine refused at admission, by code.",
                                 ("model_name", "code"))
 
@@ -199,6 +203,8 @@ class ServerMetrics:
                                self.constrained, self.grammar_rejected, self.grammar_remasked, self.grammar_forced,
                                self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward):
                     metric.labels(self.model_name, mode, domain)
+                for op in ("delete", "insert"):
+                    self.structural_edits.labels(self.model_name, mode, domain, op)
         for code in ("queue_full", INVALID_REQUEST):  # the engine's admission refusals
             self.rejected.labels(self.model_name, code)
 
@@ -294,6 +300,8 @@ class ServerMetrics:
         self.forwards.labels(*labels).inc(steps)
         self.edits.labels(*labels).inc(int(meta.get("edits", 0)))
         self.mbe_edits.labels(*labels).inc(int(meta.get("mbe_edits", 0)))
+        self.structural_edits.labels(*labels, "delete").inc(int(meta.get("deletions", 0)))
+        self.structural_edits.labels(*labels, "insert").inc(int(meta.get("insertions", 0)))
         if meta.get("mbe_window"):
             self.mbe_window.labels(*labels).observe(int(meta["mbe_window"]))
         grammar = meta.get("grammar")

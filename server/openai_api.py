@@ -82,6 +82,9 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, names: Route
         "edit_threshold": req.edit_threshold,
         "max_post_steps": req.max_post_steps,
         "mbe_window": req.mbe_window,
+        "decoder": req.decoder,
+        "steps": req.steps,
+        "max_steps_per_block": req.max_steps_per_block,
         "domain": req.request_domain,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
@@ -163,7 +166,7 @@ def parse_tool_calls(state: ServerState, out: OutputStream) -> tuple[str | None,
 def diffusion_stats(outs: list[OutputStream]) -> dict:
     forwards = sum(o.meta.get("steps", 0) for o in outs)
     tokens = sum(len(o.ids) for o in outs)
-    return {
+    stats = {
         "forwards": forwards,
         "tokens_per_forward": round(tokens / forwards, 4) if forwards else 0.0,
         "edits": sum(o.meta.get("edits", 0) for o in outs),
@@ -171,6 +174,10 @@ def diffusion_stats(outs: list[OutputStream]) -> dict:
         "first_forward": [o.meta.get("first_forward") for o in outs],  # the engine forward each choice began at
         **({"step_maps": maps} if (maps := step_maps(outs)) is not None else {}),
     }
+    if any(o.meta.get("decoder") == "levenshtein" for o in outs):  # LLaDA2.2's structural edits (docs/llada22.md)
+        stats.update(deletions=sum(o.meta.get("deletions", 0) for o in outs),
+                     insertions=sum(o.meta.get("insertions", 0) for o in outs))
+    return stats
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:

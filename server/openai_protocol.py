@@ -278,6 +278,10 @@ class _Common(Strict):
     edit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     max_post_steps: int | None = Field(default=None, ge=0, le=1024)
     mbe_window: int | None = Field(default=None, ge=1, le=8)  # protocol.sampling_params.MAX_MBE_WINDOW
+    # LLaDA2.2 (docs/llada22.md): which step, and the Levenshtein step's schedule and hard cap
+    decoder: Literal["levenshtein", "threshold"] | None = None
+    steps: int | None = Field(default=None, ge=1, le=4096)  # protocol.sampling_params.MAX_STEPS
+    max_steps_per_block: int | None = Field(default=None, ge=1, le=4096)
     domain: str | None = Field(default=None, max_length=64)
     stream_denoise: bool = False  # an extra chunk per forward, with a `diffusion` event (docs/denoise.md)
     return_step_maps: bool = False  # diffusion.step_maps in the response (docs/denoise.md)

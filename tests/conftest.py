@@ -147,7 +147,8 @@ class TinyCheckpoints:
 def tiny_checkpoint(request: pytest.FixtureRequest,
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyCheckpoint]:
     """`tiny_checkpoint(seed=0, **options)` -> the path of a tiny random checkpoint built by
-    redraft.engine.tiny.make_tiny_checkpoint with those arguments (dtype, shards, config_overrides), read-only.
+    redraft.engine.tiny.make_tiny_checkpoint with those arguments (dtype, shards, config_overrides, llada22: a
+    LLaDA2.2 checkpoint with DELETE/SPLIT and block routing), read-only.
 
     Built once per options and session, kept across runs in pytest's cache folder (`--cache-clear` empties it;
     with `-p no:cacheprovider` it lives in this session's temporary folder). The folder is always named `tiny`."""

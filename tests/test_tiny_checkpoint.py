@@ -80,10 +80,10 @@ def test_config_json(ckpt: Path) -> None:
     for key, value in TINY_CONFIG.items():
         assert raw[key] == value, key
     cfg = ModelConfig.from_pretrained(ckpt)
-    llada22_only = {"expert_capacity", "block_size", "delete_token_id", "split_token_id"}  # absent from 2.1's
     for f in fields(ModelConfig):
-        if f.name != "extra" and f.name not in llada22_only:
+        if f.name != "extra" and f.name not in LLADA22_FIELDS:  # a 2.1 checkpoint has none of 2.2's fields
             assert f.name in raw, f"config.json lacks {f.name}"
+    assert not LLADA22_FIELDS & set(raw)
     tok = Tokenizer.from_pretrained(ckpt)
     assert cfg.vocab_size == tok.vocab_size
     assert 384 <= cfg.vocab_size <= 512
@@ -91,6 +91,26 @@ def test_config_json(ckpt: Path) -> None:
     assert cfg.rotary_dim == 8 and cfg.torch_dtype == "float32"
     gen = json.loads((ckpt / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tok.eos_token_id and gen["pad_token_id"] == tok.eos_token_id
+
+
+LLADA22_FIELDS = {"expert_capacity", "block_size", "delete_token_id", "split_token_id"}
+
+
+def test_llada22_checkpoint(tiny_checkpoint, ckpt: Path) -> None:
+    """make_tiny_checkpoint(llada22=True): 2.2's fields in config.json, DELETE and SPLIT as the two added special
+    tokens after the 2.1 vocabulary, the Levenshtein step's defaults in generation_config.json."""
+    d = tiny_checkpoint(seed=0, llada22=True)
+    raw = json.loads((d / "config.json").read_text())
+    cfg = ModelConfig.from_pretrained(d)
+    assert 0 < cfg.expert_capacity < cfg.num_experts and cfg.block_size == 32 and cfg.structural_edits
+    tok, old = Tokenizer.from_pretrained(d), Tokenizer.from_pretrained(ckpt)
+    assert (cfg.delete_token_id, cfg.split_token_id) == (old.vocab_size, old.vocab_size + 1) == \
+        (tok.token_to_id("<|delete|>"), tok.token_to_id("<|split|>"))
+    assert cfg.vocab_size == tok.vocab_size == old.vocab_size + 2 and raw["vocab_size"] == cfg.vocab_size
+    assert tok.decode([cfg.delete_token_id, cfg.split_token_id]) == ""  # special: skipped in text
+    gen = json.loads((d / "generation_config.json").read_text())
+    assert {k: gen[k] for k in ("threshold", "edit_threshold", "steps", "max_post_steps", "max_steps_per_block")} == \
+        {"threshold": 0.5, "edit_threshold": 0.0, "steps": 32, "max_post_steps": 16, "max_steps_per_block": 1000}
 
 
 def test_tokenizer_files(ckpt: Path) -> None:
