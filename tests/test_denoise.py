@@ -235,3 +235,23 @@ def test_an_aborted_request_ends_its_events_on_what_it_committed(tiny) -> None:
     assert 0 < len(forwards) == stream.meta["steps"]
     assert 0 < len(stream.ids) < 160
     assert events[-1]["committed_text"] == stream.text
+
+
+@pytest.mark.parametrize("mode", ["S", "Q"])
+def test_levenshtein_rows_stream_and_replay(tiny_checkpoint, mode: str) -> None:
+    """LLaDA2.2's step moves positions (DELETE, SPLIT): events and maps describe the window position by position,
+    and still count every forward, end on the answer and replay to it."""
+    eng = redraft.Engine(model_path=str(tiny_checkpoint(0, llada22=True)), device="cpu", dtype="float32",
+                         progress=False)
+    try:
+        prompts = [[5, 17, 33, 9], list(range(40, 75))]
+        base = dict(mode=mode, max_new_tokens=64)
+        plain = eng.generate(input_ids=prompts, sampling_params=base)
+        got = eng.generate(input_ids=prompts, sampling_params=dict(base, stream_denoise=True, return_step_maps=True))
+    finally:
+        eng.shutdown()
+    assert sum(p["meta_info"]["deletions"] + p["meta_info"]["insertions"] for p in plain) > 0  # edits happened
+    for i, (g, p) in enumerate(zip(got, plain)):
+        assert (g["output_ids"], g["meta_info"]["steps"]) == (p["output_ids"], p["meta_info"]["steps"])
+        check_events(g, index=i)
+        check_maps(g)
