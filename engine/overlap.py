@@ -1,0 +1,178 @@
+"""The overlap scheduler: forward k+1 runs while the host finishes iteration k.
+
+Serially an iteration is schedule -> forward -> decision -> update -> outputs, and the device idles while the host
+updates, reports, reads messages and schedules. Here, as soon as step k's decision has reached the host (its
+`StepOutput`), the forward of iteration k+1 starts on a worker thread with the inputs iteration k+1 will have if
+nothing changes: the same items, each query exactly its open window, holding the tokens step k produced. While it
+runs, the host updates the requests, builds step k's outputs, (in the server) sends them and reads new messages,
+and schedules iteration k+1. Then the guess is checked (`take`): when iteration k+1 has the same items and builds
+the same forward batch (query tokens, positions, page tables, windows) and plan, the speculative forward is the
+forward the serial path would run, so its result is used; the decision k+1 (which advances the slot rows) is
+made only then, on the host thread: only the forward is speculative. Otherwise the result is dropped and the
+serial path runs.
+
+A dropped forward leaves no trace:
+  * K/V: a forward writes only the pages of its query, here each request's open window, blocks at or after
+    `Bookkeeping.exact_blocks` (no block ended at step k: `next_batch` refuses otherwise, so no block became exact
+    and none entered the radix tree). The scheduler reads no such block before a forward recomputes it (every
+    query starts at `exact_blocks`) and never caches it; a page freed meanwhile (an abort) is written by its next
+    owner's forward before anyone reads it, and every other forward waits for the worker (`take`, `settle`).
+  * decoding state: the forward changes none. Slot rows, step counters, `meta_info.steps`, the stats and the
+    engine's forward count move with the decision and the update alone.
+  * the worker reads only its `ForwardPlan` (built before it starts), the weights and the KV cache, never a
+    request, so the host may change the requests meanwhile.
+On CPU the worker's torch ops release the GIL, so forward and host work run on two cores. On CUDA the worker
+enqueues the forward on the device's default stream, the one the host thread uses after the join, so stream
+order keeps it ahead of everything queued later (no side stream); what the host overlaps is its own work with
+the device's queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from redraft.engine.model_runner import Forward, ForwardBatch, ForwardPlan, ModelRunner, build_forward_batch
+from redraft.scheduler.scheduler import Scheduler, StepOutput, WorkItem
+
+log = logging.getLogger("redraft.overlap")
+
+
+def off_reason(args: Any) -> str | None:
+    """Why the overlap scheduler is off for these settings (None: on)."""
+    if args.disable_overlap:
+        return "--disable-overlap"
+    if args.tp_size > 1:
+        # every rank would run the dropped forwards too, and a failed one leaves the ranks out of step
+        return "tensor parallelism (--tp-size > 1) runs the serial loop"
+    return None
+
+
+def next_batch(items: list[WorkItem], out: StepOutput, block_size: int, mask_id: int) -> ForwardBatch | None:
+    """Iteration k+1's forward batch if it runs the same items: each query is its open window holding the tokens
+    step k produced (`out.tokens`). None when the next iteration cannot be that (a query reaching before its
+    window, a block that ended at step k) or will likely not be (a block that ends at the pre-forward check)."""
+    for i, it in enumerate(items):
+        req = it.req
+        if not it.decodes or it.first != req.state.window_start:
+            return None  # committed blocks ahead of the window become exact: the next query is shorter
+        if not out.had_mask[i] and out.t2t[i] == 0:
+            return None  # the block ends (Request.apply_step): its K/V are final and may enter the radix tree
+        if mask_id not in out.tokens[i][-block_size:] and req.state.post_steps + 1 > req.params.max_post_steps:
+            return None  # it ends at the next pre-forward check (Request.pre_forward)
+    ids = [t for row in out.tokens for t in row]  # every item decodes: out's rows are the items, in order
+    return replace(build_forward_batch(items, block_size), input_ids=torch.tensor(ids, dtype=torch.long))
+
+
+def same_forward(a: ForwardPlan, b: ForwardPlan) -> bool:
+    """Whether two plans describe the same forward: equal inputs, geometry and decision split."""
+    x, y = a.batch, b.batch
+    return (a.decoding == b.decoding and a.lens == b.lens and a.quick == b.quick and a.graphs == b.graphs
+            and x.q_starts == y.q_starts and x.q_lens == y.q_lens and x.page_tables == y.page_tables
+            and x.window_starts == y.window_starts and torch.equal(x.input_ids, y.input_ids))
+
+
+@dataclass
+class _Speculation:
+    items: list[WorkItem]  # iteration k's items, which iteration k+1 is guessed to repeat
+    plan: ForwardPlan
+    result: Future  # -> Forward
+
+
+class Overlap:
+    """The speculative next forward of an `EngineCore` (module docstring). `launch` after a step's decision,
+    `take` after the next schedule, `settle` before any other use of the device."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, reason_off: str | None):
+        self.runner, self.scheduler = runner, scheduler
+        self.reason_off = reason_off
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="redraft-forward") if reason_off is None else None
+        self._pending: _Speculation | None = None
+        self.num_used = 0  # speculative forwards whose result a step used
+        self.num_dropped = 0  # speculative forwards thrown away (the next iteration differed)
+
+    @property
+    def enabled(self) -> bool:
+        return self._pool is not None
+
+    def launch(self, items: list[WorkItem], parts: list[tuple[list[WorkItem], StepOutput]], busy: bool) -> None:
+        """After step k's decision, before its update (`parts`: what EngineCore._run_isolating returned): start
+        forward k+1 on the worker when the batch ran whole and without failures and the next one can repeat it.
+        `busy`: other device work is queued (likelihood jobs), which must not run beside a forward."""
+        if self._pool is None or busy or len(parts) != 1 or parts[0][0] is not items or parts[0][1].failed:
+            return
+        sched = self.scheduler
+        if sched.waiting and len(sched.running) < sched.config.max_running_requests:
+            return  # an admission would change the batch
+        batch = next_batch(items, parts[0][1], self.runner.block_size, self.runner.mask_id)
+        if batch is None:
+            return
+        plan = self.runner.plan(items, batch)
+        future = self._pool.submit(self._forward, plan, torch.get_num_threads())
+        self._pending = _Speculation(list(items), plan, future)
+
+    def _forward(self, plan: ForwardPlan, threads: int) -> Forward:
+        """The worker's job: the forward alone (ModelRunner.forward reads nothing but the plan)."""
+        if torch.get_num_threads() != threads:  # OpenMP's thread count is per thread: match the engine's
+            torch.set_num_threads(threads)
+        dev = self.runner.device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            return self.runner.forward(plan)
+
+    def take(self, items: list[WorkItem]) -> Callable[[list[WorkItem]], StepOutput] | None:
+        """Iteration k+1's items, just scheduled: the decision from the speculative forward when it is the forward
+        of exactly these items (to run in place of ModelRunner.run), else None (dropped: the serial path runs).
+        Returns once the worker is done either way."""
+        spec, self._pending = self._pending, None
+        if spec is None:
+            return None
+        plan = self._plan_if_same(spec, items)  # host work, while the forward may still run
+        try:
+            fwd = spec.result.result()
+        except Exception as exc:  # noqa: BLE001 - the serial path reruns it and handles the failure
+            log.debug("a speculative forward failed; the serial path reruns it", exc_info=exc)
+            fwd = None
+        if plan is None or fwd is None:
+            self.num_dropped += 1
+            return None
+        self.num_used += 1
+        return lambda its: self._decide(its, plan, fwd)
+
+    def _plan_if_same(self, spec: _Speculation, items: list[WorkItem]) -> ForwardPlan | None:
+        """The plan of `items`, when it is the speculative forward's, else None."""
+        if len(items) != len(spec.items):
+            return None
+        slots = self.runner.slots
+        for now, then in zip(items, spec.items):
+            if (now.req is not then.req or (now.first, now.last, now.decodes) != (then.first, then.last, then.decodes)
+                    or now.req.finished or slots.stale(now.req)):
+                return None
+        plan = self.runner.plan(items, build_forward_batch(items, self.runner.block_size))
+        return plan if same_forward(plan, spec.plan) else None
+
+    def _decide(self, items: list[WorkItem], plan: ForwardPlan, fwd: Forward) -> StepOutput:
+        """ModelRunner.run's decision on the speculative forward (the rows were checked fresh: nothing to sync)."""
+        self.runner.faults.check_any("forward", [it.req.rid for it in items])
+        return self.runner.decide(items, plan, fwd, {})
+
+    def settle(self) -> None:
+        """Wait for a speculative forward and drop it: before the device does anything else (a likelihood chunk),
+        when the next iteration has no batch, at shutdown."""
+        spec, self._pending = self._pending, None
+        if spec is None:
+            return
+        with contextlib.suppress(Exception):
+            spec.result.result()
+        self.num_dropped += 1
+
+    def shutdown(self) -> None:
+        self.settle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
