@@ -233,7 +233,7 @@ class ModelRunner:
         that request: its rid and exception go to `StepOutput.failed` (its row's results are then meaningless and
         the engine ends it before `update`). An exception from the batch itself (the forward) propagates."""
         failed: dict[str, tuple[str, BaseException]] = {}
-        self._sync_rows([it.req for it in items if it.decodes], failed)
+        self.sync_rows([it.req for it in items if it.decodes], failed)
         self.faults.check_any("forward", [it.req.rid for it in items])
         plan = self.plan(items, build_forward_batch(items, self.block_size))
         return self.decide(items, plan, self.forward(plan), failed)
@@ -349,7 +349,7 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - ends this request only
             failed[req.rid] = (stage, exc)
 
-    def _sync_rows(self, reqs: list[Request], failed: dict[str, tuple[str, BaseException]]) -> None:
+    def sync_rows(self, reqs: list[Request], failed: dict[str, tuple[str, BaseException]]) -> None:
         """Before the forward, for each request whose block (re)began since its row was loaded: structured output
         first writes what its grammar forces into the block (the forward reads it), then the row is synced."""
         for r in reqs:

@@ -3,20 +3,23 @@
 Serially an iteration is schedule -> forward -> decision -> update -> outputs, and the device idles while the host
 updates, reports, reads messages and schedules. Here, as soon as step k's decision has reached the host (its
 `StepOutput`), the forward of iteration k+1 starts on a worker thread with the inputs iteration k+1 will have if
-nothing changes: the same items, each query exactly its open window, holding the tokens step k produced. While it
-runs, the host updates the requests, builds step k's outputs, (in the server) sends them and reads new messages,
-and schedules iteration k+1. Then the guess is checked (`take`): when iteration k+1 has the same items and builds
-the same forward batch (query tokens, positions, page tables, windows) and plan, the speculative forward is the
-forward the serial path would run, so its result is used; the decision k+1 (which advances the slot rows) is
-made only then, on the host thread: only the forward is speculative. Otherwise the result is dropped and the
-serial path runs.
+every request goes on (`next_iteration`): the same requests, each query its open window holding the tokens step
+k produced, or, where a block ends, the next block (all MASK) in the page the scheduler will hand out next. While
+it runs, the host updates the requests, builds step k's outputs, (in the server) sends them and reads new
+messages, and schedules iteration k+1. Then the guess is checked (`take`): when iteration k+1 has the same items
+and builds the same forward batch (query tokens, positions, page tables, windows) and plan, the speculative
+forward is the forward the serial path would run (same inputs, same K/V pages, no other forward in between), so
+its result is used; the decision k+1 (which advances the slot rows) is made only then, on the host thread: only
+the forward is speculative. Otherwise (an admission, an abort, a finish, a preemption, a failure, another page)
+the result is dropped and the serial path runs.
 
 A dropped forward leaves no trace:
-  * K/V: a forward writes only the pages of its query, here each request's open window, blocks at or after
-    `Bookkeeping.exact_blocks` (no block ended at step k: `next_batch` refuses otherwise, so no block became exact
-    and none entered the radix tree). The scheduler reads no such block before a forward recomputes it (every
-    query starts at `exact_blocks`) and never caches it; a page freed meanwhile (an abort) is written by its next
-    owner's forward before anyone reads it, and every other forward waits for the worker (`take`, `settle`).
+  * K/V: a forward writes only the pages of its query. Here that is each request's open window, blocks at or after
+    `Bookkeeping.exact_blocks` even after step k's update (blocks that became exact are only read), and new
+    blocks in pages that are free when it starts. The scheduler reads no block at or after `exact_blocks` before
+    a forward recomputes it (every query starts there) and never caches one; a free page, or one freed meanwhile
+    (an abort), is written by its next owner's forward before anyone reads it; and every other forward waits for
+    the worker (`take`, `settle`).
   * decoding state: the forward changes none. Slot rows, step counters, `meta_info.steps`, the stats and the
     engine's forward count move with the decision and the update alone.
   * the worker reads only its `ForwardPlan` (built before it starts), the weights and the KV cache, never a
@@ -33,12 +36,14 @@ import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from redraft.engine.model_runner import Forward, ForwardBatch, ForwardPlan, ModelRunner, build_forward_batch
+from redraft.scheduler.page_pool import PagePool
+from redraft.scheduler.request import Request
 from redraft.scheduler.scheduler import Scheduler, StepOutput, WorkItem
 
 log = logging.getLogger("redraft.overlap")
@@ -54,20 +59,53 @@ def off_reason(args: Any) -> str | None:
     return None
 
 
-def next_batch(items: list[WorkItem], out: StepOutput, block_size: int, mask_id: int) -> ForwardBatch | None:
-    """Iteration k+1's forward batch if it runs the same items: each query is its open window holding the tokens
-    step k produced (`out.tokens`). None when the next iteration cannot be that (a query reaching before its
-    window, a block that ended at step k) or will likely not be (a block that ends at the pre-forward check)."""
+def next_iteration(items: list[WorkItem], out: StepOutput, block_size: int, mask_id: int, pool: PagePool
+                   ) -> tuple[list[WorkItem], ForwardBatch] | None:
+    """Iteration k+1's items and forward batch if every request goes on: a block that goes on queries its open
+    window holding the tokens step k produced (`out.tokens`); a block that ends is followed by the next one
+    (`_next_block_follows`), all MASK, in the page the scheduler will give it (`PagePool.peek`: it hands pages out
+    in arrival order, the batch's order). A block ends after step k (Request.apply_step: no mask before the step,
+    no edit in it; its K/V are exact) or at the pre-forward check of k+1 (Request.pre_forward: its K/V are stale,
+    so the next query recomputes it ahead of the new block). None when iteration k+1 cannot be that."""
+    b = block_size
+    ended = [not out.had_mask[i] and out.t2t[i] == 0 for i in range(len(items))]
+    stale = [not ended[i] and mask_id not in out.tokens[i][-b:]
+             and it.req.state.post_steps + 1 > it.req.params.max_post_steps for i, it in enumerate(items)]
+    fresh = pool.peek(sum(ended) + sum(stale))
+    if fresh is None:
+        return None  # the scheduler would evict (or preempt) for pages
+    nxt, q_starts, q_lens, tables, windows, ids = [], [], [], [], [], []
     for i, it in enumerate(items):
         req = it.req
-        if not it.decodes or it.first != req.state.window_start:
-            return None  # committed blocks ahead of the window become exact: the next query is shorter
-        if not out.had_mask[i] and out.t2t[i] == 0:
-            return None  # the block ends (Request.apply_step): its K/V are final and may enter the radix tree
-        if mask_id not in out.tokens[i][-block_size:] and req.state.post_steps + 1 > req.params.max_post_steps:
-            return None  # it ends at the next pre-forward check (Request.pre_forward)
-    ids = [t for row in out.tokens for t in row]  # every item decodes: out's rows are the items, in order
-    return replace(build_forward_batch(items, block_size), input_ids=torch.tensor(ids, dtype=torch.long))
+        if not it.decodes:
+            return None  # a prefill chunk: what comes next depends on the prefill budget
+        # committed blocks ahead of the window (prefill rows) are exact after step k: the query is the window
+        first, last, window = req.state.window_start, it.last, req.state.window_start
+        pages, query = req.book.pages[: last + 1], out.tokens[i]
+        if ended[i] or stale[i]:
+            if not _next_block_follows(req, out.tokens[i], b) or len(req.book.pages) != last + 1:
+                return None
+            first, last = (last + 1 if ended[i] else last), last + 1
+            window, pages = last, pages + [fresh.pop(0)]
+            query = (query if stale[i] else []) + [mask_id] * b
+        nxt.append(WorkItem(req, first, last, True))
+        q_starts.append(first * b)
+        q_lens.append((last - first + 1) * b)
+        tables.append(pages)
+        windows.append(window * b)
+        ids += query
+    return nxt, ForwardBatch(torch.tensor(ids, dtype=torch.long), q_starts, q_lens, tables, windows)
+
+
+def _next_block_follows(req: Request, window: list[int], block_size: int) -> bool:
+    """Whether a request whose active block just ended goes on with the next block, a query that needs nothing
+    but its position: a one-block window (no MBE shift), no grammar (it writes forced tokens first), no stop
+    token in the block and not its last block (Request.end_block)."""
+    if req.params.mbe_window != 1 or req.state.constraint is not None or req.state.active_block >= req.last_block:
+        return False
+    start = req.state.window_start * block_size
+    stops = req.stop_ids()
+    return not any(t in stops for t in window[max(req.prompt_len - start, 0):])
 
 
 def same_forward(a: ForwardPlan, b: ForwardPlan) -> bool:
@@ -80,7 +118,7 @@ def same_forward(a: ForwardPlan, b: ForwardPlan) -> bool:
 
 @dataclass
 class _Speculation:
-    items: list[WorkItem]  # iteration k's items, which iteration k+1 is guessed to repeat
+    items: list[WorkItem]  # iteration k+1's, as guessed
     plan: ForwardPlan
     result: Future  # -> Forward
 
@@ -108,14 +146,14 @@ class Overlap:
         if self._pool is None or busy or len(parts) != 1 or parts[0][0] is not items or parts[0][1].failed:
             return
         sched = self.scheduler
-        if sched.waiting and len(sched.running) < sched.config.max_running_requests:
-            return  # an admission would change the batch
-        batch = next_batch(items, parts[0][1], self.runner.block_size, self.runner.mask_id)
-        if batch is None:
+        if sched.waiting and len(sched.running) < sched.config.max_running_requests or sched.config.recompute_prefix:
+            return  # an admission would change the batch; every query of a recompute_prefix run starts at 0
+        guess = next_iteration(items, parts[0][1], self.runner.block_size, self.runner.mask_id, sched.pool)
+        if guess is None:
             return
-        plan = self.runner.plan(items, batch)
+        plan = self.runner.plan(*guess)  # (a new block's window is one block, like the ended one's)
         future = self._pool.submit(self._forward, plan, torch.get_num_threads())
-        self._pending = _Speculation(list(items), plan, future)
+        self._pending = _Speculation(guess[0], plan, future)
 
     def _forward(self, plan: ForwardPlan, threads: int) -> Forward:
         """The worker's job: the forward alone (ModelRunner.forward reads nothing but the plan)."""
@@ -151,15 +189,17 @@ class Overlap:
         slots = self.runner.slots
         for now, then in zip(items, spec.items):
             if (now.req is not then.req or (now.first, now.last, now.decodes) != (then.first, then.last, then.decodes)
-                    or now.req.finished or slots.stale(now.req)):
-                return None
+                    or now.req.finished or (slots.stale(now.req) and now.req.state.constraint is not None)):
+                return None  # (a grammar writes a block's forced tokens before its forward: the serial path)
         plan = self.runner.plan(items, build_forward_batch(items, self.runner.block_size))
         return plan if same_forward(plan, spec.plan) else None
 
     def _decide(self, items: list[WorkItem], plan: ForwardPlan, fwd: Forward) -> StepOutput:
-        """ModelRunner.run's decision on the speculative forward (the rows were checked fresh: nothing to sync)."""
+        """ModelRunner.run's decision on the speculative forward: the rows of new blocks are loaded first."""
+        failed: dict[str, tuple[str, BaseException]] = {}
+        self.runner.sync_rows([it.req for it in items if it.decodes], failed)
         self.runner.faults.check_any("forward", [it.req.rid for it in items])
-        return self.runner.decide(items, plan, fwd, {})
+        return self.runner.decide(items, plan, fwd, failed)
 
     def settle(self) -> None:
         """Wait for a speculative forward and drop it: before the device does anything else (a likelihood chunk),
