@@ -21,6 +21,7 @@ from redraft.engine.core import EngineCore
 from redraft.engine.likelihood import Variant
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.protocol.server_args import ServerArgs
+from redraft.scheduler.page_pool import PagePool
 
 Script = dict[int, Callable[[EngineCore], None]]
 
@@ -201,3 +202,11 @@ def test_when_it_is_off() -> None:
     assert overlap_module.off_reason(ServerArgs(tp_size=2)).startswith("tensor parallelism")
     assert overlap_module.off_reason(ServerArgs(disable_overlap=True)) == "--disable-overlap"
     assert overlap_module.off_reason(ServerArgs()) is None
+
+
+def test_page_pool_peek_is_the_next_allocations() -> None:
+    pool = PagePool(8)
+    pool.free(pool.alloc(5)[1:4])  # a free list out of id order
+    want = pool.peek(4)
+    assert pool.num_free == 6 and pool.peek(7) is None and pool.peek(0) == []
+    assert [pool.alloc(1)[0] for _ in range(4)] == want
