@@ -56,6 +56,10 @@ def off_reason(args: Any) -> str | None:
     if args.tp_size > 1:
         # every rank would run the dropped forwards too, and a failed one leaves the ranks out of step
         return "tensor parallelism (--tp-size > 1) runs the serial loop"
+    if args.device == "cpu" and not args.enable_cpu_overlap:
+        # the forward's Python code between torch ops needs the GIL the host's work holds: they take turns, and
+        # the hand-offs cost more than the host work hidden (docs/benchmarks.md)
+        return "cpu (--enable-cpu-overlap turns it on)"
     return None
 
 

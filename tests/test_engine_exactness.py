@@ -5,7 +5,8 @@ of forwards, for prompts that end mid-block, on a block boundary or span several
 tokens, in modes S and Q, with custom thresholds and max_post_steps 0 / 1, and when EOS stops generation.
 Batching must not change any request's output (temperature 0, and seeded sampling). A float32 run is
 compared with the naive reference in float32 too. The main cases run with the overlap scheduler on (the
-default) and off (`disable_overlap`, engine/overlap.py): both must equal the reference.
+default on CUDA; `enable_cpu_overlap` here) and off (`disable_overlap`, engine/overlap.py): both must equal the
+reference.
 """
 
 from __future__ import annotations
@@ -51,19 +52,20 @@ class Tiny:
         self.vocab = json.loads((self.dir / "config.json").read_text())["vocab_size"]
         self.specials = {t["id"] for t in json.loads((self.dir / "tokenizer.json").read_text())["added_tokens"]}
         self.engine = redraft.Engine(model_path=str(self.dir), device="cpu", dtype="float64", progress=False)
-        self._serial: Any = None  # the same engine with the overlap scheduler off, built on first use
+        self._overlapped: Any = None  # the same engine with the overlap scheduler on, built on first use
         self.naive = NaiveLLaDA2(self.dir, dtype=torch.float64)
         self._memo: dict[Any, Any] = {}
 
     def engine_for(self, overlap: str) -> Any:
-        """The float64 engine with the overlap scheduler "on" (the default) or "off"."""
-        if overlap == "on":
+        """The float64 engine with the overlap scheduler "on" or "off" (on CPU, the default)."""
+        if overlap == "off":
+            assert self.engine.core.info()["overlap"].startswith("off: cpu")
             return self.engine
-        if self._serial is None:
-            self._serial = redraft.Engine(model_path=str(self.dir), device="cpu", dtype="float64", progress=False,
-                                          disable_overlap=True)
-            assert self._serial.core.info()["overlap"] == "off: --disable-overlap"
-        return self._serial
+        if self._overlapped is None:
+            self._overlapped = redraft.Engine(model_path=str(self.dir), device="cpu", dtype="float64",
+                                              progress=False, **OVERLAP_ARGS["on"])
+            assert self._overlapped.core.info()["overlap"] == "on"
+        return self._overlapped
 
     def memo(self, key: Any, fn: Callable[[], Any]) -> Any:
         """fn() once per key: a naive reference shared by a test's overlap-on and overlap-off runs."""
@@ -73,8 +75,8 @@ class Tiny:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-        if self._serial is not None:
-            self._serial.shutdown()
+        if self._overlapped is not None:
+            self._overlapped.shutdown()
 
     def prompt(self, length: int, salt: int = 0) -> list[int]:
         """A deterministic prompt of ordinary (non-special) tokens: never MASK, never EOS."""
@@ -170,6 +172,7 @@ def check_meta(out: dict, ids: list[int], max_new_tokens: int, eos_id: int) -> N
 
 
 OVERLAP = ("on", "off")
+OVERLAP_ARGS: dict[str, dict[str, bool]] = {"on": {"enable_cpu_overlap": True}, "off": {"disable_overlap": True}}
 
 
 @pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from naive_llada2 import mbe_mask, naive_mbe_generate
-from test_engine_exactness import OVERLAP, PARAMS, Tiny, TinyCache, check_meta, resolve, tinies  # noqa: F401 - fixture
+from test_engine_exactness import OVERLAP, OVERLAP_ARGS, PARAMS, Tiny, TinyCache, check_meta, resolve, tinies  # noqa: F401 - fixture
 
 import redraft
 from redraft.kernels.attention import visible
@@ -133,7 +133,7 @@ def test_exact_under_forced_preemption(tinies: TinyCache, overlap: str) -> None:
     prompts, params = _mixed(t)
     params = [dict(p, ignore_eos=True) for p in params]  # every request grows to its last block
     small = redraft.Engine(model_path=str(t.dir), device="cpu", dtype="float64", progress=False,
-                           max_total_tokens=8 * B, disable_overlap=overlap == "off")
+                           max_total_tokens=8 * B, **OVERLAP_ARGS[overlap])
     try:
         got = small.generate(input_ids=prompts, sampling_params=params)
         assert small.core.scheduler.num_preemptions > 0, "the cache was large enough: nothing was preempted"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+from test_engine_exactness import OVERLAP_ARGS
 
 import redraft
 from redraft.engine import overlap as overlap_module
@@ -28,7 +29,7 @@ Script = dict[int, Callable[[EngineCore], None]]
 
 @pytest.fixture(scope="module")
 def engines(ckpt: Path) -> Iterator[dict[str, Any]]:
-    pair = {o: redraft.Engine(model_path=str(ckpt), progress=False, disable_overlap=o == "off") for o in ("on", "off")}
+    pair = {o: redraft.Engine(model_path=str(ckpt), progress=False, **OVERLAP_ARGS[o]) for o in ("on", "off")}
     yield pair
     for e in pair.values():
         e.shutdown()
@@ -153,7 +154,7 @@ def test_preemption_in_a_tiny_kv_pool(ckpt: Path) -> None:
     reqs = _long(4, new=120)
     outs = {}
     for o in ("on", "off"):
-        with redraft.Engine(model_path=str(ckpt), progress=False, disable_overlap=o == "off",
+        with redraft.Engine(model_path=str(ckpt), progress=False, **OVERLAP_ARGS[o],
                             max_total_tokens=9 * 32) as eng:
             outs[o] = drive(eng.core, reqs)
             assert eng.core.scheduler.num_preemptions > 0
@@ -169,7 +170,7 @@ def test_injected_failures(ckpt: Path, monkeypatch) -> None:
                                ("bad-ctl", _prompt(6, 20), {"max_new_tokens": 64, "frequency_penalty": 0.5})]
     outs = {}
     for o in ("on", "off"):
-        with redraft.Engine(model_path=str(ckpt), progress=False, disable_overlap=o == "off") as eng:
+        with redraft.Engine(model_path=str(ckpt), progress=False, **OVERLAP_ARGS[o]) as eng:
             outs[o] = drive(eng.core, reqs)
     assert outs["on"] == outs["off"]
     assert {m[1] for m in outs["on"] if '"error"' in m[4]} == {"bad-fwd", "bad-ctl"}
@@ -201,7 +202,9 @@ def test_only_an_exact_guess_is_used(engines, monkeypatch) -> None:
 def test_when_it_is_off() -> None:
     assert overlap_module.off_reason(ServerArgs(tp_size=2)).startswith("tensor parallelism")
     assert overlap_module.off_reason(ServerArgs(disable_overlap=True)) == "--disable-overlap"
-    assert overlap_module.off_reason(ServerArgs()) is None
+    assert overlap_module.off_reason(ServerArgs()).startswith("cpu")
+    assert overlap_module.off_reason(ServerArgs(enable_cpu_overlap=True)) is None
+    assert overlap_module.off_reason(ServerArgs(device="cuda")) is None
 
 
 def test_page_pool_peek_is_the_next_allocations() -> None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jsonschema
 import pytest
+from test_engine_exactness import OVERLAP_ARGS
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -340,7 +341,7 @@ CONSTRAINTS = [
 @pytest.fixture(scope="module", params=["overlap-on", "overlap-off"])
 def engine(ckpt: Path, request: pytest.FixtureRequest):
     eng = redraft.Engine(model_path=str(ckpt), device="cpu", dtype="float64", progress=False,
-                         disable_overlap=request.param == "overlap-off")
+                         **OVERLAP_ARGS[request.param.removeprefix("overlap-")])
     yield eng
     eng.shutdown()
 
@@ -411,7 +412,7 @@ def test_engine_constrained_output_survives_preemption_and_mbe(ckpt: Path, tok, 
 
     monkeypatch.setattr(Request, "preempt", spy)
     with redraft.Engine(model_path=str(ckpt), device="cpu", dtype="float64", progress=False,
-                        max_total_tokens=7 * B, disable_overlap=overlap == "off") as tight:
+                        max_total_tokens=7 * B, **OVERLAP_ARGS[overlap]) as tight:
         outs = tight.generate(input_ids=prompts, sampling_params=long)
     assert any(mid_block), "no request was preempted with its frontier inside its active block"
     assert [o["output_ids"] for o in outs] == want
