@@ -24,10 +24,11 @@ A dropped forward leaves no trace:
     engine's forward count move with the decision and the update alone.
   * the worker reads only its `ForwardPlan` (built before it starts), the weights and the KV cache, never a
     request, so the host may change the requests meanwhile.
-On CPU the worker's torch ops release the GIL, so forward and host work run on two cores. On CUDA the worker
-enqueues the forward on the device's default stream, the one the host thread uses after the join, so stream
-order keeps it ahead of everything queued later (no side stream); what the host overlaps is its own work with
-the device's queue.
+On CUDA the worker enqueues the forward on the device's default stream, the one the host thread uses after the
+join, so stream order keeps it ahead of everything queued later (no side stream); the host's work overlaps the
+device's. On CPU it is off unless --enable-cpu-overlap: torch releases the GIL inside each op, but the forward's
+Python code between ops and the host's work take turns on the GIL, and on a 2-core machine the hand-offs cost
+more than the host work hidden (docs/benchmarks.md).
 """
 
 from __future__ import annotations
