@@ -73,6 +73,8 @@ def next_iteration(items: list[WorkItem], out: StepOutput, block_size: int, mask
     no edit in it; its K/V are exact) or at the pre-forward check of k+1 (Request.pre_forward: its K/V are stale,
     so the next query recomputes it ahead of the new block). None when iteration k+1 cannot be that."""
     b = block_size
+    if not all(it.decodes for it in items):
+        return None  # a prefill chunk: what comes next depends on the prefill budget (and out has no row for it)
     ended = [not out.had_mask[i] and out.t2t[i] == 0 for i in range(len(items))]
     stale = [not ended[i] and mask_id not in out.tokens[i][-b:]
              and it.req.state.post_steps + 1 > it.req.params.max_post_steps for i, it in enumerate(items)]
@@ -82,8 +84,6 @@ def next_iteration(items: list[WorkItem], out: StepOutput, block_size: int, mask
     nxt, q_starts, q_lens, tables, windows, ids = [], [], [], [], [], []
     for i, it in enumerate(items):
         req = it.req
-        if not it.decodes:
-            return None  # a prefill chunk: what comes next depends on the prefill budget
         # committed blocks ahead of the window (prefill rows) are exact after step k: the query is the window
         first, last, window = req.state.window_start, it.last, req.state.window_start
         pages, query = req.book.pages[: last + 1], out.tokens[i]

@@ -213,3 +213,15 @@ def test_page_pool_peek_is_the_next_allocations() -> None:
     want = pool.peek(4)
     assert pool.num_free == 6 and pool.peek(7) is None and pool.peek(0) == []
     assert [pool.alloc(1)[0] for _ in range(4)] == want
+
+
+def test_a_long_prompt_prefilled_in_chunks(ckpt: Path) -> None:
+    """A prompt longer than the prefill budget runs as prefill chunks beside decoding requests (no guess then)."""
+    reqs = _long(2, new=96) + [("long", _prompt(7, 300), {"max_new_tokens": 64, "mode": "S"})]
+    outs = {}
+    for o in ("on", "off"):
+        with redraft.Engine(model_path=str(ckpt), progress=False, chunked_prefill_size=64, **OVERLAP_ARGS[o]) as eng:
+            outs[o] = drive(eng.core, reqs[:2], {6: lambda core: core.add_request(
+                "long", reqs[2][1], SamplingParams.from_dict(reqs[2][2]))})
+    assert outs["on"] == outs["off"]
+    assert any(m[1] == "long" and m[3] for m in outs["on"])
