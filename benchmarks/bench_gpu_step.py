@@ -349,7 +349,7 @@ def bench_steps(engine, args, bw: float, cfg) -> list[dict]:
         items = _decode_items(engine, n, args.context, rng)
         batch = build_forward_batch(items, BLOCK)
         with torch.inference_mode():
-            hidden, window_rows, _ = runner._forward_eager(items, batch)
+            hidden, window_rows = runner._forward_eager(runner.plan(items, batch))
             eager_logits = runner.model.logits(hidden, window_rows)  # [N, B, V], what the graph captures
             graph_logits = graphs.run(batch).clone()
         identical = bool(torch.equal(eager_logits, graph_logits))

@@ -2,14 +2,22 @@
 
     python benchmarks/bench_host.py                       # batches 1 16 64 128, tiny model, one thread
     python benchmarks/bench_host.py --batches 64 --steps 40
+    python benchmarks/bench_host.py --skip-split --skip-memory --rounds 5   # only the overlap table
 
 Part 1 (time): `redraft.Engine` on a tiny model decodes `batch` greedy requests; every engine step is split into
 the model forward, the decision (lm_head and the draft-and-edit step), and the host's parts: scheduling, the
 update of the requests, their outputs, and the rest (batch building, attention metadata). Each configuration runs
 twice per batch size, alternating, with the decision from full logits ("full") and from vocabulary chunks
-("chunked", kernels/vocab_top1.py); medians over the steps of the steady state.
+("chunked", kernels/vocab_top1.py); medians over the steps of the steady state. The split is of the serial loop
+(--disable-overlap): with overlap on, the forward runs on a worker thread and its time would land in other parts.
 
-Part 2 (memory): the peak memory a decision adds at batch 64 x 32 positions with LLaDA2's 157,184-token
+Part 2 (overlap): the same steady state with the overlap scheduler off and on (engine/overlap.py: forward k+1 runs
+on a worker thread while the host updates, reports and schedules iteration k), alternating off/on for `rounds`
+rounds per batch size; the median step time of each setting over all its rounds' steps, the speed-up, and the
+share of forwards that ran overlapped. The engine's torch threads stay at one, so that the forward and the host
+each have a core (on a machine with two).
+
+Part 3 (memory): the peak memory a decision adds at batch 64 x 32 positions with LLaDA2's 157,184-token
 vocabulary, full logits + softmax/argmax against the chunked reduction, each measured in a fresh process
 (the peak resident set size, reset once the inputs exist, minus the size then; Linux).
 """
@@ -50,20 +58,28 @@ def _timed(obj: object, name: str, bucket: dict[str, float], part: str) -> None:
     setattr(obj, name, wrapper)
 
 
+def _steady(engine: Engine, batch: int, steps: int) -> None:
+    """Queue `batch` greedy requests that outlive `steps` steps (plus the warm-up)."""
+    params = SamplingParams(max_new_tokens=32 * (steps + 4), ignore_eos=True, mode="Q")
+    for i in range(batch):
+        engine.core.add_request(f"r{i}", [5 + i % 50, 6, 7, 8 + i % 7], params)
+
+
 def step_split(path: Path, batch: int, chunked: bool, steps: int) -> dict[str, float]:
     """Median milliseconds per engine step of each part (and the whole step), batch requests in flight."""
-    engine = Engine(str(path), max_running_requests=max(batch, 1), cpu_threads=1, progress=False)
+    engine = Engine(str(path), max_running_requests=max(batch, 1), cpu_threads=1, progress=False,
+                    disable_overlap=True)
     core = engine.core
     core.runner.vocab_reduce = chunked
     bucket: dict[str, float] = defaultdict(float)
     _timed(core.runner.model, "forward", bucket, "forward")
-    _timed(core.runner, "_decide_from_hidden", bucket, "decide")
+    _timed(core.runner.model, "logits", bucket, "decide")  # the lm_head of rows that need full logits
+    _timed(core.runner, "top1", bucket, "decide")  # the lm_head of the others, in vocabulary chunks
+    _timed(core.runner, "decide", bucket, "decide")  # the draft-and-edit step
     _timed(core.scheduler, "schedule", bucket, "schedule")
     _timed(core.scheduler, "update", bucket, "update")
     _timed(core, "_output_guarded", bucket, "outputs")
-    params = SamplingParams(max_new_tokens=32 * (steps + 4), ignore_eos=True, mode="Q")  # outlives the run
-    for i in range(batch):
-        core.add_request(f"r{i}", [5 + i % 50, 6, 7, 8 + i % 7], params)
+    _steady(engine, batch, steps)
     rows: dict[str, list[float]] = defaultdict(list)
     for k in range(steps + 3):
         bucket.clear()
@@ -78,6 +94,41 @@ def step_split(path: Path, batch: int, chunked: bool, steps: int) -> dict[str, f
         rows["other"].append((total - sum(bucket[p] for p in PARTS)) * 1e3)
     engine.shutdown()
     return {name: statistics.median(vals) for name, vals in rows.items()}
+
+
+def step_times(path: Path, batch: int, overlap: bool, steps: int) -> tuple[list[float], float]:
+    """Milliseconds of each steady-state engine step, and the share of forwards that ran overlapped."""
+    engine = Engine(str(path), max_running_requests=max(batch, 1), cpu_threads=1, progress=False,
+                    disable_overlap=not overlap, enable_cpu_overlap=overlap)
+    core = engine.core
+    _steady(engine, batch, steps)
+    times = []
+    for k in range(steps + 3):
+        if k == 3:  # admission and prefill: not the steady state
+            forwards, used = core.num_forwards, core.num_overlapped_forwards
+        t0 = time.perf_counter()
+        core.step()
+        if k >= 3:
+            times.append((time.perf_counter() - t0) * 1e3)
+    share = (core.num_overlapped_forwards - used) / max(core.num_forwards - forwards, 1)
+    engine.shutdown()
+    return times, share
+
+
+def overlap_table(path: Path, batches: list[int], steps: int, rounds: int) -> None:
+    print("\n| batch | step ms, overlap off | step ms, overlap on | speed-up | forwards overlapped |")
+    print("|---:|---:|---:|---:|---:|")
+    for batch in batches:
+        times: dict[bool, list[float]] = {False: [], True: []}
+        shares = []
+        for _ in range(rounds):  # alternating, so that a noisy spell hits both
+            for overlap in (False, True):
+                t, share = step_times(path, batch, overlap, steps)
+                times[overlap] += t
+                if overlap:
+                    shares.append(share)
+        off, on = statistics.median(times[False]), statistics.median(times[True])
+        print(f"| {batch} | {off:.2f} | {on:.2f} | {off / on:.2f}x | {statistics.median(shares):.0%} |", flush=True)
 
 
 _MEMORY_PROBE = r"""
@@ -109,10 +160,25 @@ def decision_peak_mib(mode: str, rows: int, hidden_size: int, vocab: int) -> flo
     return int(out.split()[-1]) / 1024  # /proc reports KiB
 
 
+def split_table(path: Path, batches: list[int], steps: int) -> None:
+    print("| batch | decision | step ms | forward | decide | schedule | update | outputs | other | host share |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in batches:
+        for chunked in (False, True):
+            r = step_split(path, batch, chunked, steps)
+            host = r["schedule"] + r["update"] + r["outputs"] + r["other"]
+            print(f"| {batch} | {'chunked' if chunked else 'full'} | {r['step']:.2f} | "
+                  + " | ".join(f"{r[p]:.2f}" for p in (*PARTS, "other")) + f" | {host / r['step']:.0%} |",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--steps", type=int, default=30, help="steady-state steps measured per configuration")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating overlap off/on rounds per batch size")
+    ap.add_argument("--skip-split", action="store_true")
+    ap.add_argument("--skip-overlap", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -120,15 +186,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tiny"
         make_tiny_checkpoint(path, seed=0)
-        print("| batch | decision | step ms | forward | decide | schedule | update | outputs | other | host share |")
-        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for batch in args.batches:
-            for chunked in (False, True):
-                r = step_split(path, batch, chunked, args.steps)
-                host = r["schedule"] + r["update"] + r["outputs"] + r["other"]
-                print(f"| {batch} | {'chunked' if chunked else 'full'} | {r['step']:.2f} | "
-                      + " | ".join(f"{r[p]:.2f}" for p in (*PARTS, "other")) + f" | {host / r['step']:.0%} |",
-                      flush=True)
+        if not args.skip_split:
+            split_table(path, args.batches, args.steps)
+        if not args.skip_overlap:
+            overlap_table(path, args.batches, args.steps, args.rounds)
     if args.skip_memory:
         return
     rows, hidden_size = 64 * 32, 64  # the added memory does not depend on the hidden size; the CPU time does

@@ -4,6 +4,7 @@ without a KV cache (full recompute of the prefix every forward, one request at a
     python benchmarks/bench_offline.py                # tiny + ~50M configs, batch 1 and 16
     python benchmarks/bench_offline.py --configs tiny --batches 1 4 16 --new-tokens 96
     python benchmarks/bench_offline.py --decoders --batches 1 16   # LLaDA2.2: Levenshtein vs the 2.1 step
+    python benchmarks/bench_offline.py --overlap --rounds 3   # also the overlap scheduler on, alternating
 
 Prints a markdown table. The baseline runs the same model code, so the ratio isolates what the paged
 block cache and batching buy.
@@ -15,6 +16,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -61,26 +63,44 @@ def timed(engine: Engine, prompts: list[list[int]], params: dict, one_at_a_time:
     return time.perf_counter() - t0, outs
 
 
+def overlap_columns(on: Engine, off: Engine, prompts: list[list[int]], params: dict, t_first: float,
+                    outs: list[dict], rounds: int) -> dict:
+    """The overlap scheduler off (`off`, the default engine on CPU, already timed once: t_first) against on (`on`),
+    alternating for `rounds` rounds: median seconds of each, and whether both gave the same tokens."""
+    timed(on, prompts[:1], params, one_at_a_time=False)  # warm-up
+    t_off, t_on, same = [t_first], [], True
+    for r in range(rounds):
+        t, outs_on = timed(on, prompts, params, one_at_a_time=False)
+        t_on.append(t)
+        same &= [o["output_ids"] for o in outs_on] == [o["output_ids"] for o in outs]
+        if r < rounds - 1:
+            t_off.append(timed(off, prompts, params, one_at_a_time=False)[0])
+    return {"t_on": statistics.median(t_on), "t_off": statistics.median(t_off), "overlap_identical": same}
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(args.threads) if args.threads else None
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         jobs = [(c, b) for c in args.configs for b in args.batches]
         bar = tqdm(jobs, desc="bench", unit="case")
-        engines: dict[str, tuple[Engine, Engine]] = {}
+        engines: dict[str, tuple[Engine, Engine, Engine | None]] = {}
         for config, batch in bar:
             bar.set_postfix(config=config, batch=batch)
             if config not in engines:
                 path, load_format = prepare(config, Path(tmp))
                 kw = dict(load_format=load_format, dtype="float32", progress=False)
-                engines[config] = (Engine(str(path), **kw), Engine(str(path), recompute_prefix=True, **kw))
-            fast, naive = engines[config]
+                overlapped = Engine(str(path), enable_cpu_overlap=True, **kw) if args.overlap else None
+                engines[config] = (Engine(str(path), **kw), Engine(str(path), recompute_prefix=True, **kw), overlapped)
+            fast, naive, overlapped = engines[config]
             tok = fast.tokenizer
             prompts = make_prompts(batch, fast.model_config.vocab_size,
                                    {tok.mask_token_id, tok.eos_token_id, *tok.special_token_ids}, seed=batch)
             params = {"max_new_tokens": args.new_tokens, "mode": args.mode, "ignore_eos": True}
             timed(fast, prompts[:1], params, one_at_a_time=False)  # warm-up
             t_fast, outs = timed(fast, prompts, params, one_at_a_time=False)
+            row = overlap_columns(overlapped, fast, prompts, params, t_fast, outs, args.rounds) if overlapped else {}
+            t_fast = row.pop("t_off", t_fast)
             t_naive, ref = timed(naive, prompts, params, one_at_a_time=True)
             tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
             forwards = sum(o["meta_info"]["steps"] for o in outs)
@@ -94,6 +114,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "naive_tok_per_s": tokens / t_naive,
                 "speedup": t_naive / t_fast,
                 "identical": all(a["output_ids"] == b["output_ids"] for a, b in zip(outs, ref)),
+                **({"overlap_tok_per_s": tokens / row["t_on"], "overlap_identical": row["overlap_identical"]}
+                   if row else {}),
             })
     return rows
 
@@ -158,6 +180,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--mode", default="S", choices=["S", "Q"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also run with the overlap scheduler on (--enable-cpu-overlap on CPU), alternating with the default")
+    ap.add_argument("--rounds", type=int, default=3, help="with --overlap: timed runs of each (medians)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--repeat", type=int, default=3, help="--decoders: runs per case (the median is shown)")
     ap.add_argument("--decoders", action="store_true",
@@ -172,11 +197,14 @@ def main() -> None:
     rows = run(args)
     print(f"\nmachine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} torch threads, "
           f"torch {torch.__version__}; mode {args.mode}, {args.new_tokens} new tokens per request, float32\n")
-    print("| config | params | batch | tokens/s | tokens/forward | naive tokens/s | speed-up | identical |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | params | batch | tokens/s | tokens/forward | naive tokens/s | speed-up | identical |"
+          + (" tokens/s, overlap on | overlap gain | same tokens |" if args.overlap else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.overlap else ""))
     for r in rows:
+        extra = (f" {r['overlap_tok_per_s']:.1f} | {r['overlap_tok_per_s'] / r['tok_per_s']:.2f}x | "
+                 f"{'yes' if r['overlap_identical'] else 'NO'} |") if args.overlap else ""
         print(f"| {r['config']} | {r['params_M']}M | {r['batch']} | {r['tok_per_s']:.1f} | {r['tok_per_forward']:.2f} "
-              f"| {r['naive_tok_per_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |")
+              f"| {r['naive_tok_per_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |" + extra)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

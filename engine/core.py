@@ -29,6 +29,7 @@ from redraft.engine.faults import FaultInjector
 from redraft.engine.grammar import GrammarError, Grammars, max_output_tokens
 from redraft.engine.grammar_sandbox import GrammarSandbox
 from redraft.engine.likelihood import MAX_VARIANTS as MAX_SCORE_VARIANTS  # (the HTTP routes check it first)
+from redraft.engine.overlap import Overlap, off_reason
 from redraft.engine.scoring import CHUNK_TOKENS, ScoreJob, Scoring, Values
 from redraft.engine.startup import start_engine
 from redraft.protocol.errors import RequestError, duplicate_request_id
@@ -83,6 +84,14 @@ class EngineCore:
         self.scheduler.pages_held_elsewhere = lambda: self.scoring.leases.count > 0
         self._fault_streak: tuple[str, set[str]] = ("", set())  # forward failures alike in a row, their rids
         self.num_request_failures = 0
+        # the next forward runs while the host finishes this iteration (engine/overlap.py)
+        self.overlap = Overlap(self.runner, self.scheduler, off_reason(args))
+        log.info("overlap scheduler: %s", "on" if self.overlap.enabled else f"off ({self.overlap.reason_off})")
+
+    @property
+    def num_overlapped_forwards(self) -> int:
+        """Forwards that ran while the host finished the iteration before, and whose result a step used."""
+        return self.overlap.num_used
 
     @property
     def max_model_len(self) -> int:
@@ -238,12 +247,18 @@ class EngineCore:
                 t = self._progress.get(it.req.rid)
                 if t is not None and t.queue_time is None:
                     t.queue_time, t.first_forward = now - t.enqueued, self.num_forwards
-            for part, out in self._run_isolating(items):
+            parts = self._run_isolating(items, self.overlap.take(items))
+            self.overlap.launch(items, parts, busy=bool(self.scoring.jobs))  # forward k+1 runs during the update
+            for part, out in parts:
                 for rid, (stage, exc) in out.failed.items():
                     self.fail(rid, exc, stage)
                 self.scheduler.update(part, out)
             self.num_forwards += 1
             self.scoring.decoded(time.monotonic() - now)
+        else:
+            self.overlap.settle()
+        if self.scoring.jobs:
+            self.overlap.settle()  # (none was started: likelihood chunks never run beside a forward)
         self.scoring.advance(decoding=bool(items), faults=self.faults)
         updated = self.scheduler.drain_updates()
         streaming = streaming_requests(items, updated)  # stream_denoise: a message for every forward
@@ -251,12 +266,14 @@ class EngineCore:
         # A block that ended inside an open MBE window committed nothing yet: no message until something does.
         return [o for o in outs if o.new_ids or o.finished or o.denoise]
 
-    def _run_isolating(self, items: list[WorkItem]) -> list[tuple[list[WorkItem], StepOutput]]:
-        """The forward of `items`; when it raises, the same items in halves (recursively), so that only the
+    def _run_isolating(self, items: list[WorkItem], first_try: Any = None
+                       ) -> list[tuple[list[WorkItem], StepOutput]]:
+        """The forward of `items` (`first_try`: the decision on a speculative forward of them, engine/overlap.py;
+        else ModelRunner.run); when it raises, the same items in halves (recursively), so that only the
         requests whose forward fails on their own end (error finish) and the rest run as they would have.
         A half's rows are reloaded from its requests first (the failed attempt may have advanced them)."""
         try:
-            out = self.runner.run(items)
+            out = (first_try or self.runner.run)(items)
             self._fault_streak = ("", set())
             return [(items, out)]
         except Exception as exc:  # noqa: BLE001 - attributed below, or an EngineFault
@@ -400,6 +417,7 @@ class EngineCore:
                        max_tokens: int | None = None) -> list[Values]:
         """A likelihood job run to its end at once (the offline Engine): per variant, (logprob, top
         alternatives) at each target. RequestError as in _new_score_job."""
+        self.overlap.settle()
         return self.scoring.run_to_end(self._new_score_job("offline", sequences, variants, top_k, max_tokens))
 
     # ---- service -------------------------------------------------------------------------------------
@@ -427,9 +445,11 @@ class EngineCore:
             "max_queued_requests": a.max_queued_requests,
             "num_params": self.model_config.num_params(),
             "vocab_size": self.model_config.vocab_size,
+            "overlap": "on" if self.overlap.enabled else f"off: {self.overlap.reason_off}",
         }
 
     def shutdown(self) -> None:
+        self.overlap.shutdown()
         self.scoring.shutdown()
         for rid in list(self._requests):
             self.scheduler.abort(rid)

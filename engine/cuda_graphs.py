@@ -79,11 +79,12 @@ class DecodeGraphs:
 
     # -- which batches qualify ------------------------------------------------------------------------
     def can_run(self, items: list["WorkItem"]) -> bool:
-        """Plain denoising steps only: every item decodes exactly its active block, with no MBE window."""
+        """Plain denoising steps only: every item decodes exactly its active block, with no MBE window (a decoding
+        query holds its whole window, so first == last means a one-block window; read from the items alone, so
+        that engine/overlap.py can ask about the next iteration's before the requests reach it)."""
         return (
             0 < len(items) <= self.max_bs
-            and all(it.decodes and it.first == it.last == it.req.state.window_start and it.last < self.max_pages
-                    for it in items)
+            and all(it.decodes and it.first == it.last and it.last < self.max_pages for it in items)
         )
 
     def bucket(self, n: int) -> int:

@@ -72,6 +72,28 @@ def build_forward_batch(items: list[WorkItem], block_size: int) -> ForwardBatch:
     return ForwardBatch(torch.tensor(ids, dtype=torch.long), q_starts, q_lens, tables, windows)
 
 
+@dataclass
+class ForwardPlan:
+    """One forward, fixed before it starts: `ModelRunner.forward` reads this and nothing else (it may run on the
+    overlap worker, engine/overlap.py, while the host changes the requests)."""
+
+    batch: ForwardBatch
+    decoding: list[int]  # which items decode
+    lens: list[int]  # [n] window positions of each decoding item
+    quick: list[int]  # of the decoding rows, those decided from vocabulary chunks (`needs_distribution` false)
+    graphs: bool  # replayed from a CUDA graph (every row then gets full logits)
+
+
+@dataclass
+class Forward:
+    """What a forward hands the decision: per row of `ForwardPlan.decoding`, the argmax and its probability of the
+    quick rows, full logits of the others."""
+
+    top: Top1 | None = None  # [n_quick * L] flat, row-major
+    logits: torch.Tensor | None = None  # [n_full, L, V]
+    width: int = 0  # L: the longest window
+
+
 def needs_distribution(r: Request) -> bool:
     """Whether a request's step reads more of the distribution than each position's argmax and its probability:
     sampling, logprobs, a grammar's candidates, logit controls (penalties, logit_bias, min_tokens)."""
@@ -240,40 +262,64 @@ class ModelRunner:
         that request: its rid and exception go to `StepOutput.failed` (its row's results are then meaningless and
         the engine ends it before `update`). An exception from the batch itself (the forward) propagates."""
         failed: dict[str, tuple[str, BaseException]] = {}
-        self._sync_rows([it.req for it in items if it.decodes], failed)
+        self.sync_rows([it.req for it in items if it.decodes], failed)
         self.faults.check_any("forward", [it.req.rid for it in items])
-        batch = build_forward_batch(items, self.block_size)
-        if self.graphs is not None and self.graphs.can_run(items):
-            logits = self.graphs.run(batch)  # [N, B, V]: every item decodes its one active block
-            out = self._decide(logits, [it.req for it in items], failed)
-        else:
-            hidden, rows, decoding = self._forward_eager(items, batch)
-            if not decoding:
-                return StepOutput(failed=failed)
-            out = self._decide_from_hidden(hidden, rows, [items[i].req for i in decoding], failed)
+        plan = self.plan(items, build_forward_batch(items, self.block_size))
+        return self.decide(items, plan, self.forward(plan), failed)
+
+    def plan(self, items: list[WorkItem], batch: ForwardBatch) -> ForwardPlan:
+        """What `forward` needs of the items, read now: which decode, their windows, which rows decide from
+        vocabulary chunks (a request that needs nothing but each position's argmax and its probability), and
+        whether a CUDA graph runs the batch."""
+        decoding = [i for i, it in enumerate(items) if it.decodes]
+        reqs = [items[i].req for i in decoding]
+        graphs = self.graphs is not None and self.graphs.can_run(items)
+        # (a LLaDA2.2 checkpoint's rows all read full logits: DELETE/SPLIT are left out or ranked below the top-1)
+        chunked = self.vocab_reduce and self.lev is None and not graphs
+        quick = [j for j, r in enumerate(reqs) if chunked and not needs_distribution(r)]
+        return ForwardPlan(batch, decoding, [r.window_size * self.block_size for r in reqs], quick, graphs)
+
+    @torch.inference_mode()
+    def forward(self, plan: ForwardPlan) -> Forward:
+        """The model forward and the lm_head's work on the decoding rows: the argmax and its probability of the
+        quick rows (kernels/vocab_top1.py: no [L, V] logits), full logits of the others. Writes the query's K/V,
+        reads nothing but `plan`, the weights and the KV cache, and changes no decoding state (the overlap
+        worker runs it while the host updates the requests)."""
+        if plan.graphs:
+            logits = self.graphs.run(plan.batch)  # [N, B, V]: every item decodes its one active block
+            return Forward(logits=logits, width=logits.shape[1])
+        hidden, rows = self._forward_eager(plan)
+        if rows is None:
+            return Forward()
+        n, width = rows.shape
+        quick_set = set(plan.quick)
+        full = [j for j in range(n) if j not in quick_set]
+        top = self.top1(hidden[rows[plan.quick].reshape(-1)]) if plan.quick else None  # [n_quick * L]
+        logits = self.model.logits(hidden, rows[full]) if full else None  # [n_full, L, V]
+        return Forward(top, logits, width)
+
+    @torch.inference_mode()
+    def decide(self, items: list[WorkItem], plan: ForwardPlan, fwd: Forward,
+               failed: dict[str, tuple[str, BaseException]]) -> StepOutput:
+        """The decoding step of every decoding item from its forward: quick rows from their argmax and probability,
+        the others from full logits (`_decide`); advances the slot rows."""
+        reqs = [items[i].req for i in plan.decoding]
+        if not reqs:
+            return StepOutput(failed=failed)
+        quick_set = set(plan.quick)
+        full = [j for j in range(len(reqs)) if j not in quick_set]
+        parts = []
+        if plan.quick:
+            parts.append((plan.quick, self._decide_top1(fwd.top, fwd.width, [reqs[j] for j in plan.quick])))
+        if full:
+            parts.append((full, self._decide(fwd.logits, [reqs[j] for j in full], failed)))
+        out = parts[0][1] if len(parts) == 1 and parts[0][0] == list(range(len(reqs))) \
+            else merge_outputs(parts, len(reqs))
         out.failed = failed
         return out
 
-    def _decide_from_hidden(self, hidden: torch.Tensor, rows: torch.Tensor, reqs: list[Request],
-                            failed: dict[str, tuple[str, BaseException]]) -> StepOutput:
-        """The step for rows [N, L] of the forward's hidden states. A request that needs nothing but each position's
-        argmax and its probability (`needs_distribution` false) gets them from the lm_head in vocabulary chunks
-        (kernels/vocab_top1.py: no [L, V] logits); the others get full logits, as before."""
-        # (a LLaDA2.2 checkpoint's rows all read full logits: DELETE/SPLIT are left out or ranked below the top-1)
-        quick = [i for i, r in enumerate(reqs) if self.vocab_reduce and self.lev is None and not needs_distribution(r)]
-        if not quick:
-            return self._decide(self.model.logits(hidden, rows), reqs, failed)  # [N, L, V]
-        quick_set = set(quick)
-        full = [i for i in range(len(reqs)) if i not in quick_set]
-        parts = [(quick, self._decide_top1(hidden, rows[quick], [reqs[i] for i in quick]))]
-        if full:
-            logits = self.model.logits(hidden, rows[full])  # [n_full, L, V]
-            parts.append((full, self._decide(logits, [reqs[i] for i in full], failed)))
-        return merge_outputs(parts, len(reqs))
-
-    def _decide_top1(self, hidden: torch.Tensor, rows: torch.Tensor, reqs: list[Request]) -> StepOutput:
-        n, width = rows.shape
-        top = self.top1(hidden[rows.reshape(-1)])  # [n * L]
+    def _decide_top1(self, top: Top1, width: int, reqs: list[Request]) -> StepOutput:
+        n = len(reqs)
         result = self._advance(top.ids.view(n, width), top.prob.view(n, width), self.slots.slot_ids(reqs))
         return self._step_output(result, [r.window_size * self.block_size for r in reqs], reqs)
 
@@ -363,7 +409,7 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - ends this request only
             failed[req.rid] = (stage, exc)
 
-    def _sync_rows(self, reqs: list[Request], failed: dict[str, tuple[str, BaseException]]) -> None:
+    def sync_rows(self, reqs: list[Request], failed: dict[str, tuple[str, BaseException]]) -> None:
         """Before the forward, for each request whose block (re)began since its row was loaded: structured output
         first writes what its grammar forces into the block (the forward reads it), then the row is synced."""
         for r in reqs:
@@ -383,24 +429,22 @@ class ModelRunner:
     def _controls(self, logits: torch.Tensor, window: torch.Tensor, i: int, r: Request) -> None:
         self.controls.apply(logits[i : i + 1], [r], window[i : i + 1], self.mask_id)
 
-    def _forward_eager(self, items: list[WorkItem], batch: ForwardBatch
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """Any batch: the hidden states [T, H], the rows [N, L] of the decoding items' open windows in them (L: the
-        longest; shorter windows repeat their last row in the padding, which the step never reads), and which
-        items decode."""
-        b = self.block_size
-        meta = AttentionMetadata.build(batch.q_starts, batch.q_lens, batch.page_tables, b, self.device,
+    def _forward_eager(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Any batch: the hidden states [T, H] and the rows [N, L] of the decoding items' open windows in them (L:
+        the longest; shorter windows repeat their last row in the padding, which the step never reads; None when
+        no item decodes)."""
+        batch = plan.batch
+        meta = AttentionMetadata.build(batch.q_starts, batch.q_lens, batch.page_tables, self.block_size, self.device,
                                        with_torch_plan=self.model.kernel_backend == "torch",
                                        window_starts=batch.window_starts)
         hidden = self.model(batch.input_ids.to(self.device), meta, self.k_cache, self.v_cache)  # [T, H]
-        decoding = [i for i, it in enumerate(items) if it.decodes]
-        if not decoding:
-            return hidden, None, decoding
-        lens = torch.tensor([items[i].req.window_size * b for i in decoding], device=self.device)  # [N]
-        ends = meta.cu_q[1:][decoding]  # [N] flat end of each decoding query = end of its active block
+        if not plan.decoding:
+            return hidden, None
+        lens = torch.tensor(plan.lens, device=self.device)  # [N]
+        ends = meta.cu_q[1:][plan.decoding]  # [N] flat end of each decoding query = end of its active block
         width = int(lens.max())
         rows = (ends - lens)[:, None] + torch.arange(width, device=self.device)[None, :]  # [N, L]
-        return hidden, torch.minimum(rows, ends[:, None] - 1), decoding
+        return hidden, torch.minimum(rows, ends[:, None] - 1)
 
     def _step(self, logits: torch.Tensor, slots: torch.Tensor, reqs: list[Request]) -> StepResult:
         """decoding.joint_threshold_step on logits whose MASK is already excluded: propose, then `_advance`."""

@@ -96,6 +96,12 @@ class ServerArgs:
     # ---- speed -----------------------------------------------------------------------------------------
     cuda_graph_max_bs: int = _opt("largest batch replayed from a CUDA graph", default=64, type=int)
     disable_cuda_graph: bool = _opt("run the denoising step eagerly on GPUs too", default=False, action="store_true")
+    disable_overlap: bool = _opt("prepare the next iteration after the forward instead of while it runs (debugging: "
+                                 "results are the same either way; docs/architecture.md, step 6)", default=False,
+                                 action="store_true")
+    enable_cpu_overlap: bool = _opt("run the overlap scheduler on CPU too (off there by default: the forward's Python "
+                                    "code and the host's share the GIL, and it measured slower; docs/benchmarks.md)",
+                                    default=False, action="store_true")
     cpu_threads: int | None = _opt("torch threads on CPU, per rank (default: torch's choice, or the cores shared "
                                    "out among the --tp-size ranks; 1 is best on a busy machine)", type=int)
     # ---- HTTP server -----------------------------------------------------------------------------------

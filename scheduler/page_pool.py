@@ -55,6 +55,13 @@ class PagePool:
         """Pages currently allocated to callers."""
         return self.capacity - len(self._free)
 
+    def peek(self, n: int) -> list[int] | None:
+        """The pages ``n`` successive ``alloc(1)`` calls would return now (as ``alloc(n)`` would), allocating
+        nothing; None if fewer than ``n`` are free."""
+        if not 0 <= n <= len(self._free):
+            return None
+        return self._free[len(self._free) - n :][::-1]
+
     def is_allocated(self, page: int) -> bool:
         """True iff ``page`` is a valid id currently handed out by :meth:`alloc`."""
         return 0 <= page < self._num_pages and self._state[page] == _USED

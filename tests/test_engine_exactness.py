@@ -4,7 +4,9 @@ In float64 the engine must reproduce the official algorithm exactly: the same ou
 of forwards, for prompts that end mid-block, on a block boundary or span several blocks, for 1 to 70 new
 tokens, in modes S and Q, with custom thresholds and max_post_steps 0 / 1, and when EOS stops generation.
 Batching must not change any request's output (temperature 0, and seeded sampling). A float32 run is
-compared with the naive reference in float32 too.
+compared with the naive reference in float32 too. The main cases run with the overlap scheduler on (the
+default on CUDA; `enable_cpu_overlap` here) and off (`disable_overlap`, engine/overlap.py): both must equal the
+reference.
 """
 
 from __future__ import annotations
@@ -50,7 +52,31 @@ class Tiny:
         self.vocab = json.loads((self.dir / "config.json").read_text())["vocab_size"]
         self.specials = {t["id"] for t in json.loads((self.dir / "tokenizer.json").read_text())["added_tokens"]}
         self.engine = redraft.Engine(model_path=str(self.dir), device="cpu", dtype="float64", progress=False)
+        self._overlapped: Any = None  # the same engine with the overlap scheduler on, built on first use
         self.naive = NaiveLLaDA2(self.dir, dtype=torch.float64)
+        self._memo: dict[Any, Any] = {}
+
+    def engine_for(self, overlap: str) -> Any:
+        """The float64 engine with the overlap scheduler "on" or "off" (on CPU, the default)."""
+        if overlap == "off":
+            assert self.engine.core.info()["overlap"].startswith("off: cpu")
+            return self.engine
+        if self._overlapped is None:
+            self._overlapped = redraft.Engine(model_path=str(self.dir), device="cpu", dtype="float64",
+                                              progress=False, **OVERLAP_ARGS["on"])
+            assert self._overlapped.core.info()["overlap"] == "on"
+        return self._overlapped
+
+    def memo(self, key: Any, fn: Callable[[], Any]) -> Any:
+        """fn() once per key: a naive reference shared by a test's overlap-on and overlap-off runs."""
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self._overlapped is not None:
+            self._overlapped.shutdown()
 
     def prompt(self, length: int, salt: int = 0) -> list[int]:
         """A deterministic prompt of ordinary (non-special) tokens: never MASK, never EOS."""
@@ -60,9 +86,10 @@ class Tiny:
 
     def reference(self, ids: list[int], max_new_tokens: int, threshold: float, edit_threshold: float,
                   max_post_steps: int, model: NaiveLLaDA2 | None = None) -> tuple[list[int], int]:
-        return naive_generate(model or self.naive, ids, max_new_tokens=max_new_tokens, threshold=threshold,
-                              edit_threshold=edit_threshold, max_post_steps=max_post_steps,
-                              mask_id=self.mask_id, eos_id=self.eos_id)
+        key = ("naive", tuple(ids), max_new_tokens, threshold, edit_threshold, max_post_steps, id(model))
+        return self.memo(key, lambda: naive_generate(
+            model or self.naive, ids, max_new_tokens=max_new_tokens, threshold=threshold,
+            edit_threshold=edit_threshold, max_post_steps=max_post_steps, mask_id=self.mask_id, eos_id=self.eos_id))
 
 
 class TinyCache(dict):
@@ -82,7 +109,7 @@ def tinies(tiny_checkpoint: Callable[..., Path]) -> Iterator[TinyCache]:
     cache = TinyCache(tiny_checkpoint)
     yield cache
     for tiny in cache.values():
-        tiny.engine.shutdown()
+        tiny.shutdown()
 
 
 def resolve(params: dict[str, Any]) -> tuple[float, float, int]:
@@ -144,14 +171,19 @@ def check_meta(out: dict, ids: list[int], max_new_tokens: int, eos_id: int) -> N
         assert len(got) == max_new_tokens
 
 
+OVERLAP = ("on", "off")
+OVERLAP_ARGS: dict[str, dict[str, bool]] = {"on": {"enable_cpu_overlap": True}, "off": {"disable_overlap": True}}
+
+
+@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"ckpt{s}" for s in SEEDS])
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_engine_matches_naive_float64(tinies: TinyCache, seed: int, case: tuple[int, int, str]) -> None:
+def test_engine_matches_naive_float64(tinies: TinyCache, seed: int, case: tuple[int, int, str], overlap: str) -> None:
     t = tinies[seed]
     prompt_len, max_new, name = case
     ids = t.prompt(prompt_len)
     params = dict(PARAMS[name], max_new_tokens=max_new, temperature=0.0)
-    out = t.engine.generate(input_ids=ids, sampling_params=params)
+    out = t.engine_for(overlap).generate(input_ids=ids, sampling_params=params)
     want_ids, want_steps = t.reference(ids, max_new, *resolve(params))
     where = f"seed={seed} prompt={ids} params={params}"
     assert out["output_ids"] == want_ids, where
@@ -260,14 +292,16 @@ def _mixed_requests(t: Tiny, sampled: bool) -> tuple[list[list[int]], list[dict[
     return prompts, params
 
 
+@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "temp0.8-seeded"])
-def test_batch_invariance(tinies: TinyCache, sampled: bool) -> None:
+def test_batch_invariance(tinies: TinyCache, sampled: bool, overlap: str) -> None:
+    """Batched (with the overlap scheduler on or off) against each request alone (on the serial engine)."""
     t = tinies[0]
     prompts, params = _mixed_requests(t, sampled)
-    together = t.engine.generate(input_ids=prompts, sampling_params=params)
+    together = t.engine_for(overlap).generate(input_ids=prompts, sampling_params=params)
     assert isinstance(together, list) and len(together) == len(prompts)
     for k, (ids, sp) in enumerate(zip(prompts, params)):
-        alone = t.engine.generate(input_ids=ids, sampling_params=sp)
+        alone = t.memo(("alone", sampled, k), lambda: t.engine_for("off").generate(input_ids=ids, sampling_params=sp))
         assert together[k]["output_ids"] == alone["output_ids"], f"request {k}: {sp}"
         assert together[k]["meta_info"]["steps"] == alone["meta_info"]["steps"], f"request {k}: {sp}"
         check_meta(alone, ids, sp["max_new_tokens"], t.eos_id)

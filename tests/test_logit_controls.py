@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from naive_llada2 import NaiveControls, naive_generate, naive_mbe_generate
-from test_engine_exactness import PARAMS, Tiny, TinyCache, resolve, tinies  # noqa: F401 - fixture
+from test_engine_exactness import OVERLAP, PARAMS, Tiny, TinyCache, resolve, tinies  # noqa: F401 - fixture
 
 CONTROLS: dict[str, dict[str, Any]] = {
     "stutter": {"stutter_penalty": 3.0},
@@ -34,19 +34,22 @@ def reference(t: Tiny, ids: list[int], params: dict[str, Any]) -> tuple[list[int
                              min_tokens=params.get("min_tokens", 0))
     common = dict(max_new_tokens=params["max_new_tokens"], threshold=threshold, edit_threshold=edit_threshold,
                   max_post_steps=max_post_steps, mask_id=t.mask_id, eos_id=t.eos_id, controls=controls)
+    key = ("controls", tuple(ids), repr(sorted(params.items())))
     if params.get("mbe_window", 1) > 1:
-        return naive_mbe_generate(t.naive, ids, window=params["mbe_window"], **common)
-    return naive_generate(t.naive, ids, **common)
+        return t.memo(key, lambda: naive_mbe_generate(t.naive, ids, window=params["mbe_window"], **common))
+    return t.memo(key, lambda: naive_generate(t.naive, ids, **common))
 
 
+@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
 @pytest.mark.parametrize("window", [1, 2], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("control", list(CONTROLS))
-def test_each_control_matches_the_naive_definition(tinies: TinyCache, control: str, window: int) -> None:
+def test_each_control_matches_the_naive_definition(tinies: TinyCache, control: str, window: int,
+                                                   overlap: str) -> None:
     t = tinies[0]
     length, new, mode = [(20, 70, "S"), (33, 60, "Q")][window - 1]
     ids = t.prompt(length, salt=1399 + window)
     params = dict(PARAMS[mode], max_new_tokens=new, temperature=0.0, mbe_window=window, **CONTROLS[control])
-    out = t.engine.generate(input_ids=ids, sampling_params=params)
+    out = t.engine_for(overlap).generate(input_ids=ids, sampling_params=params)
     assert (out["output_ids"], out["meta_info"]["steps"]) == reference(t, ids, params), f"{control} {params}"
 
 

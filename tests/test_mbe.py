@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from naive_llada2 import mbe_mask, naive_mbe_generate
-from test_engine_exactness import PARAMS, Tiny, TinyCache, check_meta, resolve, tinies  # noqa: F401 - fixture
+from test_engine_exactness import OVERLAP, OVERLAP_ARGS, PARAMS, Tiny, TinyCache, check_meta, resolve, tinies  # noqa: F401 - fixture
 
 import redraft
 from redraft.kernels.attention import visible
@@ -22,9 +22,12 @@ B = 32
 
 def mbe_reference(t: Tiny, ids: list[int], params: dict[str, Any], model=None) -> tuple[list[int], int]:
     threshold, edit_threshold, max_post_steps = resolve(params)
-    return naive_mbe_generate(model or t.naive, ids, max_new_tokens=params["max_new_tokens"], threshold=threshold,
-                              edit_threshold=edit_threshold, max_post_steps=max_post_steps,
-                              window=params.get("mbe_window", 1), mask_id=t.mask_id, eos_id=t.eos_id)
+    key = ("mbe", tuple(ids), params["max_new_tokens"], threshold, edit_threshold, max_post_steps,
+           params.get("mbe_window", 1), id(model))
+    return t.memo(key, lambda: naive_mbe_generate(
+        model or t.naive, ids, max_new_tokens=params["max_new_tokens"], threshold=threshold,
+        edit_threshold=edit_threshold, max_post_steps=max_post_steps, window=params.get("mbe_window", 1),
+        mask_id=t.mask_id, eos_id=t.eos_id))
 
 
 # ---- the rule ------------------------------------------------------------------------------------------------
@@ -62,14 +65,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
 @pytest.mark.parametrize("seed", [0, 1, 2], ids=lambda s: f"ckpt{s}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"prompt{c[0]}-new{c[1]}-{c[2]}-W{c[3]}")
-def test_engine_matches_naive_mbe(tinies: TinyCache, seed: int, case: tuple[int, int, str, int]) -> None:
+def test_engine_matches_naive_mbe(tinies: TinyCache, seed: int, case: tuple[int, int, str, int], overlap: str) -> None:
     t = tinies[seed]
     prompt_len, max_new, name, window = case
     ids = t.prompt(prompt_len, salt=800)
     params = dict(PARAMS[name], max_new_tokens=max_new, temperature=0.0, mbe_window=window)
-    out = t.engine.generate(input_ids=ids, sampling_params=params)
+    out = t.engine_for(overlap).generate(input_ids=ids, sampling_params=params)
     want = mbe_reference(t, ids, params)
     assert (out["output_ids"], out["meta_info"]["steps"]) == want, f"seed={seed} params={params}"
     check_meta(out, ids, max_new, t.eos_id)
@@ -121,13 +125,15 @@ def test_sampled_windows_are_batch_invariant(tinies: TinyCache) -> None:
         assert together[k]["output_ids"] == alone["output_ids"], f"request {k}: {sp}"
 
 
-def test_exact_under_forced_preemption(tinies: TinyCache) -> None:
-    """A KV cache far too small for the batch: requests are preempted mid-window and resume exactly."""
+@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
+def test_exact_under_forced_preemption(tinies: TinyCache, overlap: str) -> None:
+    """A KV cache far too small for the batch: requests are preempted mid-window and resume exactly (with the
+    overlap scheduler on: a speculative forward's batch differs whenever someone is preempted)."""
     t = tinies[2]
     prompts, params = _mixed(t)
     params = [dict(p, ignore_eos=True) for p in params]  # every request grows to its last block
     small = redraft.Engine(model_path=str(t.dir), device="cpu", dtype="float64", progress=False,
-                           max_total_tokens=8 * B)
+                           max_total_tokens=8 * B, **OVERLAP_ARGS[overlap])
     try:
         got = small.generate(input_ids=prompts, sampling_params=params)
         assert small.core.scheduler.num_preemptions > 0, "the cache was large enough: nothing was preempted"
@@ -135,7 +141,7 @@ def test_exact_under_forced_preemption(tinies: TinyCache) -> None:
         small.shutdown()
     # the same as the engine with room for everything (itself equal to the naive reference above; the naive
     # loop knows no ignore_eos)
-    want = t.engine.generate(input_ids=prompts, sampling_params=params)
+    want = t.memo("preemption-roomy", lambda: t.engine.generate(input_ids=prompts, sampling_params=params))
     for k in range(len(prompts)):
         assert (got[k]["output_ids"], got[k]["meta_info"]["steps"]) == \
             (want[k]["output_ids"], want[k]["meta_info"]["steps"]), f"request {k}"

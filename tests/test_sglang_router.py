@@ -168,9 +168,11 @@ def test_sglang_fields_keep_their_meaning(fleet) -> None:
 
 # ---- every dial survives the router (server/dials.py; docs/scaling.md has the table) -----------------------------
 VALID = {"mode": "S", "threshold": 0.95, "edit_threshold": 0.1, "max_post_steps": 2, "mbe_window": 2,
-         "stutter_penalty": 0.5, "domain": "math"}
+         "stutter_penalty": 0.5, "domain": "math", "decoder": "threshold", "steps": 8, "max_steps_per_block": 50,
+         "stream_denoise": False, "return_step_maps": True}
 INVALID = {"mode": "Z", "threshold": 7, "edit_threshold": 7, "max_post_steps": -1, "mbe_window": 99,
-           "stutter_penalty": -1, "domain": "x" * 100}
+           "stutter_penalty": -1, "domain": "x" * 100, "decoder": "zigzag", "steps": 0, "max_steps_per_block": 0,
+           "stream_denoise": "maybe", "return_step_maps": "maybe"}
 # the spellings each router passes on, per route (measured with a recording replica; docs/scaling.md)
 CARRIERS = {
     "sglang_router": {"chat": ["chat_template_kwargs", "metadata"], "completions": ["top", "metadata"],
@@ -273,3 +275,17 @@ def test_streamed_answers_carry_the_dials_too(fleet) -> None:
         bad = httpx.post(url + "/v1/chat/completions", json={**base, "chat_template_kwargs": {name: INVALID[name]}},
                          timeout=60)
         assert bad.status_code == 400, (name, bad.text[:300])
+
+
+def test_step_maps_come_back_through_the_router(fleet) -> None:
+    """`return_step_maps` is used, not only accepted: the routed answer's `diffusion` carries the direct answer's
+    step maps (docs/denoise.md)."""
+    url, replicas, _ = fleet
+    body = {"model": "demo_model", "temperature": 0, "max_tokens": 32,
+            "messages": [{"role": "user", "content": "Count from 10 to 30."}],
+            "chat_template_kwargs": {"return_step_maps": True}}
+    routed = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+    direct = httpx.post(replicas[0].url + "/v1/chat/completions", json=body, timeout=60).json()
+    maps = direct["diffusion"]["step_maps"]  # one per choice
+    assert maps[0]["placed"]
+    assert routed["diffusion"]["step_maps"] == maps

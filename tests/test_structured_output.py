@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jsonschema
 import pytest
+from test_engine_exactness import OVERLAP_ARGS
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -337,9 +338,10 @@ CONSTRAINTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(ckpt: Path):
-    eng = redraft.Engine(model_path=str(ckpt), device="cpu", dtype="float64", progress=False)
+@pytest.fixture(scope="module", params=["overlap-on", "overlap-off"])
+def engine(ckpt: Path, request: pytest.FixtureRequest):
+    eng = redraft.Engine(model_path=str(ckpt), device="cpu", dtype="float64", progress=False,
+                         **OVERLAP_ARGS[request.param.removeprefix("overlap-")])
     yield eng
     eng.shutdown()
 
@@ -382,7 +384,8 @@ def test_engine_outputs_are_valid_and_batch_invariant(engine, tok) -> None:
         assert out["output_ids"] == (alone[key] if key else free)
 
 
-def test_engine_constrained_output_survives_preemption_and_mbe(ckpt: Path, tok, monkeypatch) -> None:
+@pytest.mark.parametrize("overlap", ["on", "off"], ids=lambda o: f"overlap-{o}")
+def test_engine_constrained_output_survives_preemption_and_mbe(ckpt: Path, tok, monkeypatch, overlap: str) -> None:
     """A KV cache too small for the batch preempts requests with their frontier inside the active block; an
     MBE window lets later blocks edit earlier ones: neither changes a constrained output (and outputs stay
     valid)."""
@@ -409,7 +412,7 @@ def test_engine_constrained_output_survives_preemption_and_mbe(ckpt: Path, tok, 
 
     monkeypatch.setattr(Request, "preempt", spy)
     with redraft.Engine(model_path=str(ckpt), device="cpu", dtype="float64", progress=False,
-                        max_total_tokens=7 * B) as tight:
+                        max_total_tokens=7 * B, **OVERLAP_ARGS[overlap]) as tight:
         outs = tight.generate(input_ids=prompts, sampling_params=long)
     assert any(mid_block), "no request was preempted with its frontier inside its active block"
     assert [o["output_ids"] for o in outs] == want
