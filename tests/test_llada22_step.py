@@ -358,3 +358,26 @@ def test_generate_command(t22: Cache, capsys: pytest.CaptureFixture) -> None:
     t.check(out, want)
     assert main([*args, "--decoder", "threshold"]) == 0
     assert json.loads(capsys.readouterr().out)["meta_info"]["decoder"] == "threshold"
+
+
+@pytest.mark.parametrize("kv_tokens", [None, 6 * B], ids=["roomy", "preempted"])
+def test_exact_with_the_overlap_scheduler(t22: Cache, kv_tokens: int | None) -> None:
+    """The overlap scheduler (engine/overlap.py) on Levenshtein and 2.1-step rows of one batch: the definition's
+    ids and forwards, with speculative forwards actually used (and, with a tiny KV pool, preemption)."""
+    t = t22[1]
+    prompts, params = _mixed(t)
+    params = [dict(p, ignore_eos=True) for p in params] if kv_tokens else params
+    extra = {"max_total_tokens": kv_tokens} if kv_tokens else {}
+    eng = redraft.Engine(model_path=str(t.dir), device="cpu", dtype="float64", progress=False,
+                         enable_cpu_overlap=True, **extra)
+    try:
+        assert eng.core.info()["overlap"] == "on"
+        got = eng.generate(input_ids=prompts, sampling_params=params)
+        assert eng.core.num_overlapped_forwards > 0
+        if kv_tokens:
+            assert eng.core.scheduler.num_preemptions > 0, "nothing was preempted"
+    finally:
+        eng.shutdown()
+    for k, (ids, sp) in enumerate(zip(prompts, params)):
+        if not (kv_tokens and sp.get("decoder") == "threshold"):  # (the naive 2.1 loop knows no ignore_eos)
+            assert _got(t, got[k], sp) == _want(t, ids, sp), f"request {k}: {sp}"
