@@ -79,6 +79,30 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 # ---- routing ------------------------------------------------------------------------------------------
 @_jit
+def _top_k_weights(cand, s, e, scaling, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    """Each row's TOP_K experts by `cand` (biased scores, -inf where not allowed), best first (ties: lower id),
+    and their weights: the unbiased scores `s`, normalised when NORM, times `scaling`. [ROWS, BLOCK_K] each."""
+    neg = float("-inf")
+    kcol = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
+    wts = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([ROWS], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        m = tl.reduce(cand, 1, _max_fn)
+        idx = tl.reduce(tl.where(cand == m[:, None], e[None, :], BLOCK_E), 1, _min_fn)
+        hit = e[None, :] == idx[:, None]
+        w = tl.reduce(tl.where(hit, s, 0.0), 1, _sum_fn)
+        cand = tl.where(hit, neg, cand)
+        ids = tl.where(kcol[None, :] == j, idx[:, None], ids)
+        wts = tl.where(kcol[None, :] == j, w[:, None], wts)
+        total += w
+    if NORM:
+        wts = wts / (total + 1e-20)[:, None]
+    return ids, wts * scaling
+
+
+@_jit
 def _route_kernel(
     Logits, Bias, Ids, Weights,  # [T, E] fp32, [E] fp32, [T, TOP_K] out, [T, TOP_K] out
     n_tokens, stride_lt, stride_it, stride_wt, scaling,
@@ -114,23 +138,8 @@ def _route_kernel(
         gscore = tl.where(gcol[None, :] == gi[:, None], neg, gscore)
         allowed = tl.where(grp[None, :] == gi[:, None], 1, allowed)
     cand = tl.where(allowed != 0, b, neg)
-    # top-k experts among them, best first; weights are the unbiased scores
+    ids, wts = _top_k_weights(cand, s, e, scaling, BLOCK_T, BLOCK_E, TOP_K, BLOCK_K, NORM)
     kcol = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    wts = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    total = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        m = tl.reduce(cand, 1, _max_fn)
-        idx = tl.reduce(tl.where(cand == m[:, None], e[None, :], BLOCK_E), 1, _min_fn)
-        hit = e[None, :] == idx[:, None]
-        w = tl.reduce(tl.where(hit, s, 0.0), 1, _sum_fn)
-        cand = tl.where(hit, neg, cand)
-        ids = tl.where(kcol[None, :] == j, idx[:, None], ids)
-        wts = tl.where(kcol[None, :] == j, w[:, None], wts)
-        total += w
-    if NORM:
-        wts = wts / (total + 1e-20)[:, None]
-    wts = wts * scaling
     mask = t_ok[:, None] & (kcol[None, :] < TOP_K)
     tl.store(Ids + t[:, None].to(tl.int64) * stride_it + kcol[None, :], ids.to(Ids.dtype.element_ty), mask=mask)
     tl.store(Weights + t[:, None].to(tl.int64) * stride_wt + kcol[None, :], wts.to(Weights.dtype.element_ty),
@@ -218,23 +227,8 @@ def _block_route_kernel(
             admitted = tl.where(e == i, 1, admitted)
             score = tl.where(e == i, neg, score)
         cand = tl.where((admitted != 0)[None, :], b, neg)
-        # each token's top-k among them, best first; weights are the unbiased scores
+        ids, wts = _top_k_weights(cand, s, e, scaling, BLOCK_R, BLOCK_E, TOP_K, BLOCK_K, NORM)
         kcol = tl.arange(0, BLOCK_K)
-        ids = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.int32)
-        wts = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-        total = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            m = tl.reduce(cand, 1, _max_fn)
-            idx = tl.reduce(tl.where(cand == m[:, None], e[None, :], BLOCK_E), 1, _min_fn)
-            hit = e[None, :] == idx[:, None]
-            w = tl.reduce(tl.where(hit, s, 0.0), 1, _sum_fn)
-            cand = tl.where(hit, neg, cand)
-            ids = tl.where(kcol[None, :] == j, idx[:, None], ids)
-            wts = tl.where(kcol[None, :] == j, w[:, None], wts)
-            total += w
-        if NORM:
-            wts = wts / (total + 1e-20)[:, None]
-        wts = wts * scaling
         mask = in_blk[:, None] & (kcol[None, :] < TOP_K)
         tl.store(Ids + t[:, None].to(tl.int64) * stride_it + kcol[None, :], ids.to(Ids.dtype.element_ty), mask=mask)
         tl.store(Weights + t[:, None].to(tl.int64) * stride_wt + kcol[None, :], wts.to(Weights.dtype.element_ty),
