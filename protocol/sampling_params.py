@@ -347,6 +347,20 @@ def effective_mode(mode: str, domain: str | None) -> str:
     return mode
 
 
+def _mode_values(chain: Sequence[SamplingParams | Defaults], mode: str) -> dict[str, Any]:
+    """threshold, edit_threshold and max_post_steps: each from the highest level of `chain` that names it or a
+    mode (a named mode's preset wins over lower levels' values), else `mode`'s preset."""
+    decoding = dict(zip(("threshold", "edit_threshold", "max_post_steps"), PRESETS[mode]))
+    for name in decoding:
+        for level in chain:
+            if getattr(level, name) is not None:
+                decoding[name] = getattr(level, name)
+                break
+            if level.mode is not None:
+                break
+    return decoding
+
+
 def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_len: int = 0,
             max_model_len: int | None = None) -> ResolvedParams:
     """THE chain of defaults (module docstring): request, then each of `levels` in order, then the built-ins."""
@@ -365,16 +379,7 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
     # the Levenshtein step's own defaults are S's thresholds (the spec's 0.5 / 0.0 / 16)
     mode = effective_mode(named_mode or ("S" if decoder == "levenshtein" else BUILTIN_DEFAULTS["mode"]),
                           params.domain)
-    preset = dict(zip(("threshold", "edit_threshold", "max_post_steps"), PRESETS[mode]))
-    decoding: dict[str, Any] = {}
-    for name in preset:
-        decoding[name] = preset[name]
-        for level in chain:  # the highest level naming this value or a mode decides
-            if getattr(level, name) is not None:
-                decoding[name] = getattr(level, name)
-                break
-            if level.mode is not None:
-                break
+    decoding = _mode_values(chain, mode)
     max_new, from_request = first("max_new_tokens")
     if not from_request and max_model_len is not None:
         max_new = max(1, min(max_new, max_model_len - prompt_len))
