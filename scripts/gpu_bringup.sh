@@ -5,7 +5,7 @@
 #   bash scripts/gpu_bringup.sh kernels step           # some phases
 #   WHEELS=wheels bash scripts/gpu_bringup.sh setup    # install redraft's missing dependencies from local wheels
 #
-# Phases: setup, info, kernels, step, moe, serve. Logs, JSON and the updated docs/gpu.md go to $OUT (default
+# Phases: setup, info, kernels, step, engine, moe, serve. Logs, JSON and the updated docs/gpu.md go to $OUT (default
 # ./gpu-out). Each phase has its own time limit, so one hang cannot eat the others' time; a phase's failure is
 # recorded and the next one runs.
 set -u
@@ -14,7 +14,10 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(setup info kernels step moe serve)
+[ ${#phases[@]} -eq 0 ] && phases=(setup info kernels step engine moe serve)
+# the kernel suites by name: collecting every module would need the test-only packages (playwright, ...)
+KERNEL_TESTS="tests/test_attention_kernel.py tests/test_moe_kernel.py tests/test_fp8.py tests/test_vocab_top1.py
+              tests/test_engine_triton.py tests/test_block_routing.py"
 status="$OUT/status.txt"
 
 run_phase() {  # name, time limit (s), command...
@@ -63,8 +66,8 @@ write_model_dir('$dir', 'mini')" || return 1
     done
     echo "server ready after ${SECONDS}s"
     curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics_before.txt"
-    $PY -m redraft bench --base-url "http://127.0.0.1:$port" --concurrency 1 8 32 64 128 --num-requests 128 \
-        --max-seconds 25 --grace-seconds 10 --output-len 64 64 --ignore-eos --modes S --json "$OUT/serve_bench.json"
+    $PY -m redraft bench --base-url "http://127.0.0.1:$port" --concurrency ${SERVE_CONCURRENCY:-1 8 32 64 128} --num-requests 128 \
+        --max-seconds ${SERVE_SECONDS:-25} --grace-seconds 10 --output-len 64 64 --ignore-eos --modes S --json "$OUT/serve_bench.json"
     local rc=$?
     curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics_after.txt"
     kill -TERM $pid
@@ -77,11 +80,13 @@ for phase in "${phases[@]}"; do
         setup) setup >"$OUT/setup.log" 2>&1; echo "setup rc=$?" | tee -a "$status"; tail -n 5 "$OUT/setup.log" ;;
         info) run_phase info 60 bash -c "$(declare -f info); info" ;;
         kernels) run_phase kernels "${KERNELS_LIMIT:-200}" $PY -m pytest -q -m kernels -n 8 -p no:cacheprovider \
-                     --timeout 170 -rfE ;;
+                     --timeout $(( ${KERNELS_LIMIT:-200} - 20 )) -rfE $KERNEL_TESTS ;;
         step) run_phase step "${STEP_LIMIT:-200}" $PY benchmarks/bench_gpu_step.py --write-docs \
-                  --json-out "$OUT/step.json" ;;
+                  --json-out "$OUT/step.json" ${STEP_ARGS:-} ;;
+        engine) run_phase engine "${ENGINE_LIMIT:-150}" $PY benchmarks/bench_gpu_engine.py \
+                  --json-out "$OUT/engine.json" ${ENGINE_ARGS:-} ;;
         moe) run_phase moe "${MOE_LIMIT:-170}" $PY benchmarks/bench_moe.py --write-docs \
-                 --json-out "$OUT/moe.json" ;;
+                 --json-out "$OUT/moe.json" ${MOE_ARGS:-} ;;
         serve) run_phase serve "${SERVE_LIMIT:-240}" bash -c "$(declare -f serve_bench); OUT='$OUT' PY='$PY' serve_bench" ;;
         *) echo "unknown phase $phase" ;;
     esac
