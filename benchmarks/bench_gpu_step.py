@@ -307,7 +307,12 @@ def build_engine(args, model_dir: Path, max_tokens: int):
 
 def _prompt(rng: torch.Generator, n: int, vocab: int, avoid: set[int]) -> list[int]:
     ids = torch.randint(0, min(vocab, 150000), (n,), generator=rng).tolist()
-    return [t if t not in avoid else t + 1 for t in ids]
+    out = []
+    for t in ids:
+        while t in avoid:  # (t + 1 may be avoided too: eos 1, mask 2 in the tiny tokenizer)
+            t += 1
+        out.append(t)
+    return out
 
 
 def _decode_items(engine, n: int, context: int, rng):

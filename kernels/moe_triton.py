@@ -581,6 +581,9 @@ def _reduce(y: torch.Tensor, topk_ids, topk_weights, out: torch.Tensor, k_out: i
         topk_weights.stride(0), out.stride(0),
         TOP_K=k, BLOCK_K=next_pow2(k), K_OUT=k_out, SLICES=y.shape[0], SHARED=shared, BLOCK_T=block_t,
         BLOCK_H=block_h, INTERP=interp, num_warps=4,
+        # no fused multiply-add: acc + w * y rounds the product first, as torch's separate mul and add do, so
+        # the combine stays bit for bit moe_experts_torch's on a GPU too (the interpreter never fuses)
+        **({} if interp else {"enable_fp_fusion": False}),
     )
     return out
 

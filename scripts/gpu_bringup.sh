@@ -43,12 +43,8 @@ setup() {
 
 info() {
     nvidia-smi
-    $PY - <<'EOF'
-import torch, triton
-p = torch.cuda.get_device_properties(0)
-print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0),
-      p.multi_processor_count, "SMs", round(p.total_memory / 2**30, 1), "GiB")
-EOF
+    $PY -c "import torch, triton; p = torch.cuda.get_device_properties(0); print(torch.__version__, torch.version.cuda,
+triton.__version__, torch.cuda.get_device_name(0), p.multi_processor_count, 'SMs', round(p.total_memory / 2**30, 1), 'GiB')"
     git log -1 --format='commit %H %s' 2>/dev/null || true
 }
 
@@ -57,7 +53,8 @@ serve_bench() {
     $PY -c "import sys; sys.path.insert(0, 'benchmarks'); from bench_gpu_step import write_model_dir
 write_model_dir('$dir', 'mini')" || return 1
     $PY -m redraft serve --device cuda --kernel-backend triton --load-format dummy --model "$dir" --port $port \
-        --max-running-requests 128 --cuda-graph-max-bs 128 --log-level info >"$OUT/serve_server.log" 2>&1 &
+        --max-running-requests 128 --cuda-graph-max-bs 128 --log-level info ${SERVE_FLAGS:-} \
+        >"$OUT/serve${SERVE_TAG:-}_server.log" 2>&1 &
     local pid=$!
     for _ in $(seq 300); do
         curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
@@ -65,11 +62,11 @@ write_model_dir('$dir', 'mini')" || return 1
         sleep 1
     done
     echo "server ready after ${SECONDS}s"
-    curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics_before.txt"
+    curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics${SERVE_TAG:-}_before.txt"
     $PY -m redraft bench --base-url "http://127.0.0.1:$port" --concurrency ${SERVE_CONCURRENCY:-1 8 32 64 128} --num-requests 128 \
-        --max-seconds ${SERVE_SECONDS:-25} --grace-seconds 10 --output-len 64 64 --ignore-eos --modes S --json "$OUT/serve_bench.json"
+        --max-seconds ${SERVE_SECONDS:-25} --grace-seconds 10 --output-len 64 64 --ignore-eos --modes S --json "$OUT/serve${SERVE_TAG:-}_bench.json"
     local rc=$?
-    curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics_after.txt"
+    curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics${SERVE_TAG:-}_after.txt"
     kill -TERM $pid
     wait $pid
     return $rc
@@ -88,6 +85,8 @@ for phase in "${phases[@]}"; do
         moe) run_phase moe "${MOE_LIMIT:-170}" $PY benchmarks/bench_moe.py --write-docs \
                  --json-out "$OUT/moe.json" ${MOE_ARGS:-} ;;
         serve) run_phase serve "${SERVE_LIMIT:-240}" bash -c "$(declare -f serve_bench); OUT='$OUT' PY='$PY' serve_bench" ;;
+        serve-serial) run_phase serve-serial "${SERVE_LIMIT:-240}" bash -c "$(declare -f serve_bench); OUT='$OUT' PY='$PY' \
+                          SERVE_FLAGS='--disable-overlap' SERVE_TAG=-serial serve_bench" ;;
         *) echo "unknown phase $phase" ;;
     esac
 done

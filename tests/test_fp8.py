@@ -35,6 +35,11 @@ mt = pytest.importorskip("redraft.kernels.moe_triton")
 pytestmark = pytest.mark.kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 activations against the fp32 twin: interpreted, the kernel's products and sums are the twin's (2e-6 is the
+# order of the sums alone). Compiled for Hopper, tl.dot on fp8 operands runs on the FP8 tensor cores, whose
+# accumulator keeps ~14 mantissa bits inside one K tile (the DeepSeek-V3 report's finding); partials are promoted to
+# fp32 once per tile, so the rest stays exact. Measured on an H100: up to 1.0e-4.
+FP8_FP32_TOL = 3e-4 if DEVICE == "cuda" else 2e-6
 if DEVICE == "cpu" and not ft.interpreting():
     pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module", allow_module_level=True)
 
@@ -114,7 +119,7 @@ def test_fp8_linear(m, n, k, seg, dtype):
     got = ft.fp8_linear_triton(x, qw, s, seg)
     twin = q.fp8_linear_torch(x, qw, s, seg)
     assert got.dtype == dtype and got.shape == (m, n)
-    assert rel(got, twin) < (2e-6 if dtype == torch.float32 else 4e-3)  # bf16: the output's own rounding
+    assert rel(got, twin) < (FP8_FP32_TOL if dtype == torch.float32 else 4e-3)  # bf16: the output's own rounding
     ref = x.float() @ w.float().to(DEVICE).t()  # the unquantised layer (fp32 math on the same weights)
     assert cos(got, ref) >= 0.999 and rel(got, ref) < 0.05, (cos(got, ref), rel(got, ref))
 
@@ -331,7 +336,7 @@ def test_fp8_layer_routes_by_block(tiny_checkpoint, backend):
         ids = torch.cat([i for i, _ in parts]).to(DEVICE)
         wts = torch.cat([w for _, w in parts]).float().to(DEVICE)
         want = q.moe_experts_fp8_torch(x, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, ids, wts) + moe.shared(x)
-    assert rel(got, want) < 2e-6
+    assert rel(got, want) < FP8_FP32_TOL
 
 
 def test_cli_quantization_flag(tiny, capsys):
