@@ -79,7 +79,7 @@ def main() -> None:
                             kernel_backend="torch" if args.dry_run else "triton",
                             cuda_graph_max_bs=args.cuda_graph_max_bs,
                             max_running_requests=max(args.batches + [args.eager_batch]),
-                            enable_cpu_overlap=args.dry_run, log_level="warning")
+                            enable_overlap=args.dry_run, log_level="warning")
     print(f"engine ready in {time.perf_counter() - t0:.1f} s on {device}"
           f" ({torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'})", flush=True)
     vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 400

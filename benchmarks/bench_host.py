@@ -99,7 +99,7 @@ def step_split(path: Path, batch: int, chunked: bool, steps: int) -> dict[str, f
 def step_times(path: Path, batch: int, overlap: bool, steps: int) -> tuple[list[float], float]:
     """Milliseconds of each steady-state engine step, and the share of forwards that ran overlapped."""
     engine = Engine(str(path), max_running_requests=max(batch, 1), cpu_threads=1, progress=False,
-                    disable_overlap=not overlap, enable_cpu_overlap=overlap)
+                    disable_overlap=not overlap, enable_overlap=overlap)
     core = engine.core
     _steady(engine, batch, steps)
     times = []

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             if config not in engines:
                 path, load_format = prepare(config, Path(tmp))
                 kw = dict(load_format=load_format, dtype="float32", progress=False)
-                overlapped = Engine(str(path), enable_cpu_overlap=True, **kw) if args.overlap else None
+                overlapped = Engine(str(path), enable_overlap=True, **kw) if args.overlap else None
                 engines[config] = (Engine(str(path), **kw), Engine(str(path), recompute_prefix=True, **kw), overlapped)
             fast, naive, overlapped = engines[config]
             tok = fast.tokenizer
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--mode", default="S", choices=["S", "Q"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--overlap", action="store_true",
-                    help="also run with the overlap scheduler on (--enable-cpu-overlap on CPU), alternating with the default")
+                    help="also run with the overlap scheduler on (--enable-overlap on CPU), alternating with the default")
     ap.add_argument("--rounds", type=int, default=3, help="with --overlap: timed runs of each (medians)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--repeat", type=int, default=3, help="--decoders: runs per case (the median is shown)")

@@ -26,9 +26,11 @@ A dropped forward leaves no trace:
     request, so the host may change the requests meanwhile.
 On CUDA the worker enqueues the forward on the device's default stream, the one the host thread uses after the
 join, so stream order keeps it ahead of everything queued later (no side stream); the host's work overlaps the
-device's. On CPU it is off unless --enable-cpu-overlap: torch releases the GIL inside each op, but the forward's
-Python code between ops and the host's work take turns on the GIL, and on a 2-core machine the hand-offs cost
-more than the host work hidden (docs/benchmarks.md).
+device's. It is off unless --enable-overlap, because it measured slower wherever it ran: on CPU torch releases
+the GIL inside each op, but the forward's Python code between ops and the host's work take turns on the GIL
+(docs/benchmarks.md); on an H100 and an H200 (LLaDA2.1-mini shape, CUDA graphs) the replayed forward is ~90% of
+a step, the host's share it could hide is small, and the hand-offs cost more (0.95-0.96x offline, 0.84-0.88x
+served at 16-64 concurrent requests; docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ def off_reason(args: Any) -> str | None:
     if args.tp_size > 1:
         # every rank would run the dropped forwards too, and a failed one leaves the ranks out of step
         return "tensor parallelism (--tp-size > 1) runs the serial loop"
-    if args.device == "cpu" and not args.enable_cpu_overlap:
-        # the forward's Python code between torch ops needs the GIL the host's work holds: they take turns, and
-        # the hand-offs cost more than the host work hidden (docs/benchmarks.md)
-        return "cpu (--enable-cpu-overlap turns it on)"
+    if not args.enable_overlap:
+        # measured slower everywhere so far: on CPU the forward's Python code and the host's take turns on the GIL
+        # (docs/benchmarks.md); on an H100/H200 the graph-replayed forward already dominates the step, and the
+        # thread hand-off costs more than the host work it hides (docs/gpu.md)
+        return "off by default (--enable-overlap turns it on)"
     return None
 
 

@@ -99,9 +99,9 @@ class ServerArgs:
     disable_overlap: bool = _opt("prepare the next iteration after the forward instead of while it runs (debugging: "
                                  "results are the same either way; docs/architecture.md, step 6)", default=False,
                                  action="store_true")
-    enable_cpu_overlap: bool = _opt("run the overlap scheduler on CPU too (off there by default: the forward's Python "
-                                    "code and the host's share the GIL, and it measured slower; docs/benchmarks.md)",
-                                    default=False, action="store_true")
+    enable_overlap: bool = _opt("run the overlap scheduler (speculative next forward on a worker thread; off by "
+                                "default: it measured slower on CPU and on H100/H200, docs/gpu.md)",
+                                default=False, action="store_true")
     cpu_threads: int | None = _opt("torch threads on CPU, per rank (default: torch's choice, or the cores shared "
                                    "out among the --tp-size ranks; 1 is best on a busy machine)", type=int)
     # ---- HTTP server -----------------------------------------------------------------------------------

@@ -4,8 +4,11 @@
 #   bash scripts/gpu_bringup.sh                        # every phase
 #   bash scripts/gpu_bringup.sh kernels step           # some phases
 #   WHEELS=wheels bash scripts/gpu_bringup.sh setup    # install redraft's missing dependencies from local wheels
+#       (on a machine without an index: fastapi, starlette, pydantic, pydantic-core, annotated-types,
+#        typing-inspection, opentelemetry-api (fastapi >= 0.16x imports it), uvicorn, pyzmq, llguidance, openai,
+#        jiter, distro, sniffio, as cp312 manylinux wheels: `pip download --no-deps --only-binary=:all: ...`)
 #
-# Phases: setup, info, kernels, step, engine, moe, serve. Logs, JSON and the updated docs/gpu.md go to $OUT (default
+# Phases: setup, info, kernels, step, engine, moe, serve, serve-overlap. Logs, JSON and the updated docs/gpu.md go to $OUT (default
 # ./gpu-out). Each phase has its own time limit, so one hang cannot eat the others' time; a phase's failure is
 # recorded and the next one runs.
 set -u
@@ -85,8 +88,8 @@ for phase in "${phases[@]}"; do
         moe) run_phase moe "${MOE_LIMIT:-170}" $PY benchmarks/bench_moe.py --write-docs \
                  --json-out "$OUT/moe.json" ${MOE_ARGS:-} ;;
         serve) run_phase serve "${SERVE_LIMIT:-240}" bash -c "$(declare -f serve_bench); OUT='$OUT' PY='$PY' serve_bench" ;;
-        serve-serial) run_phase serve-serial "${SERVE_LIMIT:-240}" bash -c "$(declare -f serve_bench); OUT='$OUT' PY='$PY' \
-                          SERVE_FLAGS='--disable-overlap' SERVE_TAG=-serial serve_bench" ;;
+        serve-overlap) run_phase serve-overlap "${SERVE_LIMIT:-240}" bash -c "$(declare -f serve_bench); OUT='$OUT' PY='$PY' \
+                           SERVE_FLAGS='--enable-overlap' SERVE_TAG=-overlap serve_bench" ;;
         *) echo "unknown phase $phase" ;;
     esac
 done

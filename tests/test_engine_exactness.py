@@ -4,8 +4,8 @@ In float64 the engine must reproduce the official algorithm exactly: the same ou
 of forwards, for prompts that end mid-block, on a block boundary or span several blocks, for 1 to 70 new
 tokens, in modes S and Q, with custom thresholds and max_post_steps 0 / 1, and when EOS stops generation.
 Batching must not change any request's output (temperature 0, and seeded sampling). A float32 run is
-compared with the naive reference in float32 too. The main cases run with the overlap scheduler on (the
-default on CUDA; `enable_cpu_overlap` here) and off (`disable_overlap`, engine/overlap.py): both must equal the
+compared with the naive reference in float32 too. The main cases run with the overlap scheduler on
+(`enable_overlap`) and off (the default; `disable_overlap` here, engine/overlap.py): both must equal the
 reference.
 """
 
@@ -172,7 +172,7 @@ def check_meta(out: dict, ids: list[int], max_new_tokens: int, eos_id: int) -> N
 
 
 OVERLAP = ("on", "off")
-OVERLAP_ARGS: dict[str, dict[str, bool]] = {"on": {"enable_cpu_overlap": True}, "off": {"disable_overlap": True}}
+OVERLAP_ARGS: dict[str, dict[str, bool]] = {"on": {"enable_overlap": True}, "off": {"disable_overlap": True}}
 
 
 @pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])

@@ -369,7 +369,7 @@ def test_exact_with_the_overlap_scheduler(t22: Cache, kv_tokens: int | None) -> 
     params = [dict(p, ignore_eos=True) for p in params] if kv_tokens else params
     extra = {"max_total_tokens": kv_tokens} if kv_tokens else {}
     eng = redraft.Engine(model_path=str(t.dir), device="cpu", dtype="float64", progress=False,
-                         enable_cpu_overlap=True, **extra)
+                         enable_overlap=True, **extra)
     try:
         assert eng.core.info()["overlap"] == "on"
         got = eng.generate(input_ids=prompts, sampling_params=params)
