@@ -142,9 +142,13 @@ def default_kv_tokens(args: ServerArgs, config: ModelConfig) -> int:
     if torch.device(args.device).type == "cuda":
         # SGLang's rule: weights + KV cache take mem_fraction_static of the GPU; the rest is activations.
         free, total = torch.cuda.mem_get_info()
+        # memory this process's caching allocator holds but no tensor uses (an earlier engine's, freed) is free to us
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         budget = int(total * args.mem_fraction_static) - (total - free)
         if budget <= 0:
-            raise ValueError(f"mem_fraction_static={args.mem_fraction_static} leaves no room for the KV cache")
+            raise ValueError(f"mem_fraction_static={args.mem_fraction_static} leaves no room for the KV cache "
+                             f"({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use: another engine in "
+                             "this process or on this GPU?); pass max_total_tokens, or raise mem_fraction_static")
         return budget // per_token
     budget = 512 * 2**20  # CPU: 512 MiB of KV cache at most
     return int(min(max(budget // per_token, 4096), 262144))
