@@ -2,7 +2,8 @@
 
 Serially an iteration is schedule -> forward -> decision -> update -> outputs, and the device idles while the host
 updates, reports, reads messages and schedules. Here, as soon as step k's decision has reached the host (its
-`StepOutput`), the forward of iteration k+1 starts on a worker thread with the inputs iteration k+1 will have if
+`StepOutput`), the forward of iteration k+1 starts (queued on the GPU from this thread; on CPU, on a worker
+thread) with the inputs iteration k+1 will have if
 every request goes on (`next_iteration`): the same requests, each query its open window holding the tokens step
 k produced, or, where a block ends, the next block (all MASK) in the page the scheduler will hand out next. While
 it runs, the host updates the requests, builds step k's outputs, (in the server) sends them and reads new
@@ -24,13 +25,16 @@ A dropped forward leaves no trace:
     engine's forward count move with the decision and the update alone.
   * the worker reads only its `ForwardPlan` (built before it starts), the weights and the KV cache, never a
     request, so the host may change the requests meanwhile.
-On CUDA the worker enqueues the forward on the device's default stream, the one the host thread uses after the
-join, so stream order keeps it ahead of everything queued later (no side stream); the host's work overlaps the
-device's. It is off unless --enable-overlap, because it measured slower wherever it ran: on CPU torch releases
-the GIL inside each op, but the forward's Python code between ops and the host's work take turns on the GIL
-(docs/benchmarks.md); on an H100 and an H200 (LLaDA2.1-mini shape, CUDA graphs) the replayed forward is ~90% of
-a step, the host's share it could hide is small, and the hand-offs cost more (0.95-0.96x offline, 0.84-0.88x
-served at 16-64 concurrent requests; docs/gpu.md).
+On CUDA the host thread itself queues the forward on the default stream (`inline`): kernel launches and a graph
+replay return at once, so the device computes while the host goes on, and stream order keeps the forward ahead of
+everything queued later (no side stream, no thread). On CPU an op returns only when done, so the forward runs on
+a worker thread (torch releases the GIL inside each op).
+
+It is off unless --enable-overlap, because it measured slower wherever it ran: on CPU the forward's Python code
+between ops and the host's work take turns on the GIL (docs/benchmarks.md); on an H100 and an H200 (LLaDA2.1-mini
+shape, CUDA graphs), with the forward on a worker thread as on CPU, 0.95-0.96x offline and 0.84-0.88x served at
+16-64 concurrent requests (docs/gpu.md): the replayed forward is ~90% of a step, and the thread's hand-offs cost
+more than the host work hidden. The inline CUDA path replaced that thread afterwards and has not been timed yet.
 """
 
 from __future__ import annotations
@@ -135,23 +139,29 @@ class Overlap:
     """The speculative next forward of an `EngineCore` (module docstring). `launch` after a step's decision,
     `take` after the next schedule, `settle` before any other use of the device."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, reason_off: str | None):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, reason_off: str | None,
+                 inline: bool | None = None):
+        """inline: enqueue the speculative forward on the calling thread (default on CUDA, where launches are
+        asynchronous, so the device computes while the host goes on; no thread, no GIL hand-off); else run it
+        on a worker thread (CPU, where an op returns only when it is done)."""
         self.runner, self.scheduler = runner, scheduler
         self.reason_off = reason_off
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="redraft-forward") if reason_off is None else None
+        self.inline = runner.device.type == "cuda" if inline is None else inline
+        threaded = reason_off is None and not self.inline
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="redraft-forward") if threaded else None
         self._pending: _Speculation | None = None
         self.num_used = 0  # speculative forwards whose result a step used
         self.num_dropped = 0  # speculative forwards thrown away (the next iteration differed)
 
     @property
     def enabled(self) -> bool:
-        return self._pool is not None
+        return self.reason_off is None
 
     def launch(self, items: list[WorkItem], parts: list[tuple[list[WorkItem], StepOutput]], busy: bool) -> None:
         """After step k's decision, before its update (`parts`: what EngineCore._run_isolating returned): start
         forward k+1 on the worker when the batch ran whole and without failures and the next one can repeat it.
         `busy`: other device work is queued (likelihood jobs), which must not run beside a forward."""
-        if self._pool is None or busy or len(parts) != 1 or parts[0][0] is not items or parts[0][1].failed:
+        if not self.enabled or busy or len(parts) != 1 or parts[0][0] is not items or parts[0][1].failed:
             return
         sched = self.scheduler
         if sched.waiting and len(sched.running) < sched.config.max_running_requests or sched.config.recompute_prefix:
@@ -160,7 +170,14 @@ class Overlap:
         if guess is None:
             return
         plan = self.runner.plan(*guess)  # (a new block's window is one block, like the ended one's)
-        future = self._pool.submit(self._forward, plan, torch.get_num_threads())
+        if self.inline:
+            future: Future = Future()
+            try:
+                future.set_result(self.runner.forward(plan))  # (on CUDA: returns once the kernels are queued)
+            except Exception as exc:  # noqa: BLE001 - take() drops it; the serial path reruns and reports it
+                future.set_exception(exc)
+        else:
+            future = self._pool.submit(self._forward, plan, torch.get_num_threads())
         self._pending = _Speculation(guess[0], plan, future)
 
     def _forward(self, plan: ForwardPlan, threads: int) -> Forward:

@@ -146,6 +146,8 @@ class ServerMetrics:
                                             "Prompt tokens of finished requests read from the prefix cache.")
         self.num_requests = counter("sglang:num_requests", "Finished requests (aborted ones included).")
         self.num_aborted = counter("sglang:num_aborted_requests", "Requests that ended by abort or client disconnect.")
+        self.num_failed = counter("redraft:failed_requests", "Requests that a failure inside the engine ended "
+                                  "(finish_reason error; the engine log has the request id and the reason).")
         # ---- redraft's ----
         self.forwards = counter("redraft:forwards", "Denoising forwards of finished requests "
                                                     "(a batched forward counts once per request in it).")
@@ -198,8 +200,9 @@ class ServerMetrics:
         for mode in MODES:
             for domain in (*self.domains, OTHER_DOMAIN):
                 for metric in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
-                               self.num_requests, self.num_aborted, self.forwards, self.tokens_committed,
-                               self.blocks_committed, self.edits, self.mbe_edits, self.mbe_window, self.ttft, self.itl,
+                               self.num_requests, self.num_aborted, self.num_failed, self.forwards,
+                               self.tokens_committed, self.blocks_committed, self.edits, self.mbe_edits,
+                               self.mbe_window, self.ttft, self.itl,
                                self.constrained, self.grammar_rejected, self.grammar_remasked, self.grammar_forced,
                                self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward):
                     metric.labels(self.model_name, mode, domain)
@@ -312,12 +315,14 @@ class ServerMetrics:
             self.grammar_forced.labels(*labels).inc(int(grammar.get("forced", 0)))
         self.blocks_committed.labels(*labels).inc(int(meta.get("blocks", 0)))
         self.num_requests.labels(*labels).inc()
-        aborted = (out.finish_reason or {}).get("type") == "abort"
-        if aborted:
+        finish = (out.finish_reason or {}).get("type")
+        if finish == "abort":
             self.num_aborted.labels(*labels).inc()
+        elif finish == "error":
+            self.num_failed.labels(*labels).inc()
         if steps and completion:
             self.tokens_per_forward.labels(*labels).observe(completion / steps)
-        if not aborted:
+        if finish not in ("abort", "error"):  # (a latency only for requests that ran to their end)
             self.e2e.labels(*labels).observe(now - track.start)
         queue_time = meta.get("queue_time")
         if queue_time is not None:

@@ -353,6 +353,14 @@ def test_collector_labels_and_per_block_figures():
     assert _value(m, "sglang:num_aborted_requests_total", **q) == 1
     assert _value(m, "sglang:e2e_request_latency_seconds_count", **q) == 0
     assert _value(m, "sglang:time_to_first_token_seconds_count", **q) == 0
+    assert _value(m, "redraft:failed_requests_total", **q) == 0
+    # one that a failure inside the engine ended: counted as failed, neither aborted nor given a latency
+    m.on_submit("e", SamplingParams(mode="Q", domain="poetry"))
+    m.on_message(_out("e", 0, steps=2, blocks=0, finished=True, reason="error"))
+    assert _value(m, "redraft:failed_requests_total", **q) == 1
+    assert _value(m, "sglang:num_aborted_requests_total", **q) == 1
+    assert _value(m, "sglang:num_requests_total", **q) == 2
+    assert _value(m, "sglang:e2e_request_latency_seconds_count", **q) == 0
     m.on_submit("c", SamplingParams())
     m.on_message(Rejected("c", 503, "queue full", "queue_full"))
     assert _value(m, "redraft:rejected_requests_total", code="queue_full", **lab) == 1

@@ -27,9 +27,17 @@ from redraft.scheduler.page_pool import PagePool
 Script = dict[int, Callable[[EngineCore], None]]
 
 
-@pytest.fixture(scope="module")
-def engines(ckpt: Path) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["thread", "inline"])
+def engines(ckpt: Path, request) -> Iterator[dict[str, Any]]:
+    """The overlap engine runs its speculative forward on a worker thread (CPU's way) or, as on CUDA, on the
+    calling thread before the host's work (`Overlap.inline`: on CPU that hides nothing, but every decision and
+    every drop are the same code as on a GPU)."""
     pair = {o: redraft.Engine(model_path=str(ckpt), progress=False, **OVERLAP_ARGS[o]) for o in ("on", "off")}
+    if request.param == "inline":
+        core = pair["on"].core
+        core.overlap.shutdown()
+        core.overlap = overlap_module.Overlap(core.runner, core.scheduler, None, inline=True)
+    assert pair["on"].core.overlap.inline == (request.param == "inline")
     yield pair
     for e in pair.values():
         e.shutdown()
@@ -207,6 +215,22 @@ def test_when_it_is_off() -> None:
     assert overlap_module.off_reason(ServerArgs(enable_overlap=True)) is None
     assert overlap_module.off_reason(ServerArgs(device="cuda", enable_overlap=True)) is None
     assert overlap_module.off_reason(ServerArgs(enable_overlap=True, disable_overlap=True)) == "--disable-overlap"
+
+
+def test_inline_on_cuda_a_thread_on_cpu() -> None:
+    """On CUDA the speculative forward is queued from the host's thread (launches are asynchronous); on CPU it
+    needs a worker thread. Off, neither."""
+    import types
+
+    import torch
+
+    for device, inline in (("cuda", True), ("cpu", False)):
+        runner = types.SimpleNamespace(device=torch.device(device))
+        ov = overlap_module.Overlap(runner, None, None)
+        assert ov.enabled and ov.inline == inline and (ov._pool is None) == inline
+        ov.shutdown()
+        off = overlap_module.Overlap(runner, None, "--disable-overlap")
+        assert not off.enabled and off._pool is None
 
 
 def test_page_pool_peek_is_the_next_allocations() -> None:
