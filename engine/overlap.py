@@ -67,7 +67,7 @@ def off_reason(args: Any) -> str | None:
         # measured slower everywhere so far: on CPU the forward's Python code and the host's take turns on the GIL
         # (docs/benchmarks.md); on an H100/H200 the graph-replayed forward already dominates the step, and the
         # thread hand-off costs more than the host work it hides (docs/gpu.md)
-        return "off by default (--enable-overlap turns it on)"
+        return "the default (--enable-overlap turns it on)"
     return None
 
 

@@ -6,7 +6,8 @@ redraft's dials as on chat), run through the chat path (template, structured out
 in the Responses shapes: one `message` output item with an `output_text` part, and one `function_call` item per
 tool call. Streaming sends the Responses event sequence (response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta ..., *.done,
-response.completed with usage). Nothing is stored: `store: true`, `previous_response_id` and `background` are
+response.completed with usage; with the `stream_denoise` dial, a `response.diffusion.event` per forward and
+commit). Nothing is stored: `store: true`, `previous_response_id` and `background` are
 400s that say so.
 """
 
@@ -36,6 +37,9 @@ IGNORED = ("user", "metadata", "reasoning", "truncation", "include", "prompt_cac
 CHAT_EXTRAS = ("seed", "top_k", "stop", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty",
                "repetition_penalty", "chat_template_kwargs", *DIALS)
 TEXT_TYPES = ("input_text", "output_text", "text")
+# the stream event of one forward (or commit) under the `stream_denoise` dial (docs/denoise.md): a type of its
+# own, which SDKs pass through as an untyped event, so text deltas are unchanged for a client that ignores it
+DENOISE_EVENT = "response.diffusion.event"
 
 
 class ResponsesRequest(Strict):
@@ -279,6 +283,8 @@ class ResponsesFormatter:
             async for _, up in merge_updates([stream]):
                 if isinstance(up, Exception):
                     raise up
+                for event in up.denoise:  # stream_denoise: the forwards first, then what they committed
+                    yield self._event(DENOISE_EVENT, output_index=0, diffusion=event)
                 if up.aborted:
                     raise aborted_error(up.finish_reason)
                 if self.tools:  # tool calls are read from the whole output: sent once it is finished

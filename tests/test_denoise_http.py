@@ -169,6 +169,22 @@ def test_completions_stream_with_structured_output_and_a_metadata_dial(client: o
     check_event_stream(events, plain.model_extra["diffusion"]["forwards"], plain.choices[0].text)
 
 
+def test_responses_stream_carries_the_events_as_their_own_type(client: openai.OpenAI, model: str) -> None:
+    """/v1/responses with the dial in extra_body: one `response.diffusion.event` per forward and commit, beside
+    text deltas that build the answer the route gives without it."""
+    kw = dict(model=model, input=COUNT, temperature=0, max_output_tokens=96)
+    plain = client.responses.create(**kw, extra_body={"return_step_maps": True})
+    stream = list(client.responses.create(**kw, stream=True, extra_body={"stream_denoise": True}))
+    events = [e.diffusion for e in stream if e.type == "response.diffusion.event"]
+    text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    assert text == plain.output_text
+    assert [e.sequence_number for e in stream] == list(range(len(stream)))
+    check_event_stream(events, plain.model_extra["diffusion"]["forwards"], plain.output_text)
+    assert sum(len(m["placed"]) for m in plain.model_extra["diffusion"]["step_maps"]) == plain.usage.output_tokens
+    quiet = list(client.responses.create(**kw, stream=True))
+    assert not any(e.type == "response.diffusion.event" for e in quiet)
+
+
 def test_a_bad_dial_value_is_refused(http: httpx.Client, model: str) -> None:
     r = http.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}],
                                                 "metadata": {"stream_denoise": "maybe"}})

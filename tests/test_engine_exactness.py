@@ -57,9 +57,9 @@ class Tiny:
         self._memo: dict[Any, Any] = {}
 
     def engine_for(self, overlap: str) -> Any:
-        """The float64 engine with the overlap scheduler "on" or "off" (on CPU, the default)."""
+        """The float64 engine with the overlap scheduler "on" or "off" (the default)."""
         if overlap == "off":
-            assert self.engine.core.info()["overlap"].startswith("off: cpu")
+            assert self.engine.core.info()["overlap"].startswith("off: the default")
             return self.engine
         if self._overlapped is None:
             self._overlapped = redraft.Engine(model_path=str(self.dir), device="cpu", dtype="float64",

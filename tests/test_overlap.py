@@ -210,8 +210,8 @@ def test_only_an_exact_guess_is_used(engines, monkeypatch) -> None:
 def test_when_it_is_off() -> None:
     assert overlap_module.off_reason(ServerArgs(tp_size=2)).startswith("tensor parallelism")
     assert overlap_module.off_reason(ServerArgs(disable_overlap=True)) == "--disable-overlap"
-    assert overlap_module.off_reason(ServerArgs()).startswith("off by default")
-    assert overlap_module.off_reason(ServerArgs(device="cuda")).startswith("off by default")  # measured slower there
+    assert overlap_module.off_reason(ServerArgs()).startswith("the default")
+    assert overlap_module.off_reason(ServerArgs(device="cuda")).startswith("the default")  # measured slower there
     assert overlap_module.off_reason(ServerArgs(enable_overlap=True)) is None
     assert overlap_module.off_reason(ServerArgs(device="cuda", enable_overlap=True)) is None
     assert overlap_module.off_reason(ServerArgs(enable_overlap=True, disable_overlap=True)) == "--disable-overlap"
