@@ -96,9 +96,9 @@ class ServerArgs:
     # ---- speed -----------------------------------------------------------------------------------------
     cuda_graph_max_bs: int = _opt("largest batch replayed from a CUDA graph", default=64, type=int)
     disable_cuda_graph: bool = _opt("run the denoising step eagerly on GPUs too", default=False, action="store_true")
-    disable_overlap: bool = _opt("prepare the next iteration after the forward instead of while it runs (debugging: "
-                                 "results are the same either way; docs/architecture.md, step 6)", default=False,
-                                 action="store_true")
+    disable_overlap: bool = _opt("never run the overlap scheduler, even with --enable-overlap (debugging: results are "
+                                 "the same either way; docs/architecture.md, step 6)", default=False,
+                                 action="store_true", aliases=("--disable-overlap-schedule",))
     enable_overlap: bool = _opt("run the overlap scheduler (speculative next forward on a worker thread; off by "
                                 "default: it measured slower on CPU and on H100/H200, docs/gpu.md)",
                                 default=False, action="store_true")

@@ -31,6 +31,7 @@ def test_their_names_set_our_fields(monkeypatch) -> None:
     assert (a.model_path, a.tp_size, a.context_length, a.mem_fraction_static) == ("/models/x", 2, 512, 0.7)
     assert (a.max_running_requests, a.chunked_prefill_size, a.random_seed, a.log_level) == (12, 2048, 5, "warning")
     assert _args("--context-length", "64").context_length == 64
+    assert _args("--disable-overlap-schedule").disable_overlap and not _args().disable_overlap  # SGLang's spelling
 
 
 def test_api_keys_from_the_environment(monkeypatch) -> None:

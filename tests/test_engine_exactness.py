@@ -6,7 +6,7 @@ tokens, in modes S and Q, with custom thresholds and max_post_steps 0 / 1, and w
 Batching must not change any request's output (temperature 0, and seeded sampling). A float32 run is
 compared with the naive reference in float32 too. The main cases run with the overlap scheduler on
 (`enable_overlap`) and off (the default; `disable_overlap` here, engine/overlap.py): both must equal the
-reference.
+reference (the overlap-on half in the slow suite: the scheduler is opt-in).
 """
 
 from __future__ import annotations
@@ -171,11 +171,12 @@ def check_meta(out: dict, ids: list[int], max_new_tokens: int, eos_id: int) -> N
         assert len(got) == max_new_tokens
 
 
-OVERLAP = ("on", "off")
+# the overlap scheduler is opt-in (--enable-overlap), so its half of these matrices runs in the slow suite
+OVERLAP = (pytest.param("on", id="overlap-on", marks=pytest.mark.slow), pytest.param("off", id="overlap-off"))
 OVERLAP_ARGS: dict[str, dict[str, bool]] = {"on": {"enable_overlap": True}, "off": {"disable_overlap": True}}
 
 
-@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
+@pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"ckpt{s}" for s in SEEDS])
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_engine_matches_naive_float64(tinies: TinyCache, seed: int, case: tuple[int, int, str], overlap: str) -> None:
@@ -292,7 +293,7 @@ def _mixed_requests(t: Tiny, sampled: bool) -> tuple[list[list[int]], list[dict[
     return prompts, params
 
 
-@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
+@pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "temp0.8-seeded"])
 def test_batch_invariance(tinies: TinyCache, sampled: bool, overlap: str) -> None:
     """Batched (with the overlap scheduler on or off) against each request alone (on the serial engine)."""

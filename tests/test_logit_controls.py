@@ -40,7 +40,7 @@ def reference(t: Tiny, ids: list[int], params: dict[str, Any]) -> tuple[list[int
     return t.memo(key, lambda: naive_generate(t.naive, ids, **common))
 
 
-@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
+@pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("window", [1, 2], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("control", list(CONTROLS))
 def test_each_control_matches_the_naive_definition(tinies: TinyCache, control: str, window: int,

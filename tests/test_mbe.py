@@ -65,7 +65,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
+@pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("seed", [0, 1, 2], ids=lambda s: f"ckpt{s}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"prompt{c[0]}-new{c[1]}-{c[2]}-W{c[3]}")
 def test_engine_matches_naive_mbe(tinies: TinyCache, seed: int, case: tuple[int, int, str, int], overlap: str) -> None:
@@ -125,7 +125,7 @@ def test_sampled_windows_are_batch_invariant(tinies: TinyCache) -> None:
         assert together[k]["output_ids"] == alone["output_ids"], f"request {k}: {sp}"
 
 
-@pytest.mark.parametrize("overlap", OVERLAP, ids=[f"overlap-{o}" for o in OVERLAP])
+@pytest.mark.parametrize("overlap", OVERLAP)
 def test_exact_under_forced_preemption(tinies: TinyCache, overlap: str) -> None:
     """A KV cache far too small for the batch: requests are preempted mid-window and resume exactly (with the
     overlap scheduler on: a speculative forward's batch differs whenever someone is preempted)."""

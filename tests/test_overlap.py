@@ -27,7 +27,7 @@ from redraft.scheduler.page_pool import PagePool
 Script = dict[int, Callable[[EngineCore], None]]
 
 
-@pytest.fixture(scope="module", params=["thread", "inline"])
+@pytest.fixture(scope="module", params=["thread", pytest.param("inline", marks=pytest.mark.slow)])
 def engines(ckpt: Path, request) -> Iterator[dict[str, Any]]:
     """The overlap engine runs its speculative forward on a worker thread (CPU's way) or, as on CUDA, on the
     calling thread before the host's work (`Overlap.inline`: on CPU that hides nothing, but every decision and

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import jsonschema
 import pytest
-from test_engine_exactness import OVERLAP_ARGS
+from test_engine_exactness import OVERLAP, OVERLAP_ARGS
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -384,7 +384,7 @@ def test_engine_outputs_are_valid_and_batch_invariant(engine, tok) -> None:
         assert out["output_ids"] == (alone[key] if key else free)
 
 
-@pytest.mark.parametrize("overlap", ["on", "off"], ids=lambda o: f"overlap-{o}")
+@pytest.mark.parametrize("overlap", OVERLAP)
 def test_engine_constrained_output_survives_preemption_and_mbe(ckpt: Path, tok, monkeypatch, overlap: str) -> None:
     """A KV cache too small for the batch preempts requests with their frontier inside the active block; an
     MBE window lets later blocks edit earlier ones: neither changes a constrained output (and outputs stay
