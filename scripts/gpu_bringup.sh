@@ -4,9 +4,7 @@
 #   bash scripts/gpu_bringup.sh                        # every phase
 #   bash scripts/gpu_bringup.sh kernels step           # some phases
 #   WHEELS=wheels bash scripts/gpu_bringup.sh setup    # install redraft's missing dependencies from local wheels
-#       (on a machine without an index: fastapi, starlette, pydantic, pydantic-core, annotated-types,
-#        typing-inspection, opentelemetry-api (fastapi >= 0.16x imports it), uvicorn, pyzmq, llguidance, openai,
-#        jiter, distro, sniffio, as cp312 manylinux wheels: `pip download --no-deps --only-binary=:all: ...`)
+#       (on a machine without a package index: fetch them beforehand with `bash scripts/gpu_wheels.sh wheels`)
 #
 # Phases: setup, info, kernels, step, engine, moe, serve, serve-overlap. Logs, JSON and the updated docs/gpu.md go to $OUT (default
 # ./gpu-out). Each phase has its own time limit, so one hang cannot eat the others' time; a phase's failure is

@@ -115,6 +115,34 @@ def test_triton_backend_with_mbe_windows(engines):
 
 
 @pytest.mark.slow
+def test_llada22_on_the_triton_backend(tiny_checkpoint):
+    """A LLaDA2.2 checkpoint (block routing: the Triton block router and fused MoE here; the Levenshtein step
+    and the 2.1 step) gives the torch backend's ids and step counts. (scripts/gpu_llada22_check.py runs the same
+    comparison on a GPU against the CPU.)"""
+    if not torch.cuda.is_available() and not triton_attn.interpreting():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module")
+    path = tiny_checkpoint(seed=0, llada22=True)
+    engines = {b: redraft.Engine(str(path), device=DEVICE, dtype="float32", kernel_backend=b, progress=False,
+                                 max_total_tokens=4096, disable_cuda_graph=True) for b in ("torch", "triton")}
+    try:
+        assert engines["triton"].core.model_config.block_routing
+        ids = [list(range(5, 5 + n)) for n in (7, 32, 45)]
+        structural = 0
+        for decoder in ("levenshtein", "threshold"):
+            params = {"max_new_tokens": 40, "temperature": 0.0, "decoder": decoder, "ignore_eos": True}
+            want, got = (engines[b].generate(input_ids=ids, sampling_params=params) for b in ("torch", "triton"))
+            for a, b in zip(want, got):
+                assert b["output_ids"] == a["output_ids"] and b["meta_info"]["steps"] == a["meta_info"]["steps"]
+                edits = [(o["meta_info"].get("deletions", 0), o["meta_info"].get("insertions", 0)) for o in (a, b)]
+                assert edits[0] == edits[1]
+                structural += sum(edits[0])
+        assert structural > 0  # the comparison covered deletions/insertions, not only M2T and T2T
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+
+@pytest.mark.slow
 def test_cli_generate_with_triton_backend(tiny, capsys):
     """`redraft generate --kernel-backend triton` (in-process: this process already runs Triton interpreted)."""
     from redraft.cli import main
