@@ -99,8 +99,9 @@ class ServerArgs:
     disable_overlap: bool = _opt("never run the overlap scheduler, even with --enable-overlap (debugging: results are "
                                  "the same either way; docs/architecture.md, step 6)", default=False,
                                  action="store_true", aliases=("--disable-overlap-schedule",))
-    enable_overlap: bool = _opt("run the overlap scheduler (speculative next forward on a worker thread; off by "
-                                "default: it measured slower on CPU and on H100/H200, docs/gpu.md)",
+    enable_overlap: bool = _opt("run the overlap scheduler (the next forward speculated while the host works: queued "
+                                "from its thread on CUDA, on a worker thread on CPU; off by default: it measured "
+                                "slower on CPU and, threaded, on H100/H200, docs/gpu.md)",
                                 default=False, action="store_true")
     cpu_threads: int | None = _opt("torch threads on CPU, per rank (default: torch's choice, or the cores shared "
                                    "out among the --tp-size ranks; 1 is best on a busy machine)", type=int)

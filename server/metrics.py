@@ -144,7 +144,7 @@ class ServerMetrics:
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens of finished requests.")
         self.cached_prompt_tokens = counter("sglang:cached_tokens",
                                             "Prompt tokens of finished requests read from the prefix cache.")
-        self.num_requests = counter("sglang:num_requests", "Finished requests (aborted ones included).")
+        self.num_requests = counter("sglang:num_requests", "Finished requests (aborted and failed ones included).")
         self.num_aborted = counter("sglang:num_aborted_requests", "Requests that ended by abort or client disconnect.")
         self.num_failed = counter("redraft:failed_requests", "Requests that a failure inside the engine ended "
                                   "(finish_reason error; the engine log has the request id and the reason).")
