@@ -160,7 +160,8 @@ class Overlap:
     def launch(self, items: list[WorkItem], parts: list[tuple[list[WorkItem], StepOutput]], busy: bool) -> None:
         """After step k's decision, before its update (`parts`: what EngineCore._run_isolating returned): start
         forward k+1 (queued on CUDA, on the worker thread on CPU) when the batch ran whole and without failures
-        and the next one can repeat it. `busy`: other device work is queued (likelihood jobs), which must not run beside a forward."""
+        and the next one can repeat it. `busy`: other device work is queued (likelihood jobs), which must not
+        run beside a forward."""
         if not self.enabled or busy or len(parts) != 1 or parts[0][0] is not items or parts[0][1].failed:
             return
         sched = self.scheduler
