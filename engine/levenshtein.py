@@ -14,6 +14,7 @@ pre-scan block of this block's non-final steps, kept whole so that the anti-loop
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -41,14 +42,16 @@ class LevenshteinResult:
     insertions: torch.Tensor  # [N] long: SPLIT written (a mask inserted by the scan)
 
 
-def argmax_excluding(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    """argmax over the last dim with `ids` left out (lowest id on ties). Writes -inf into those columns of
-    `logits` and puts the old values back, so it costs one argmax and no copy of [..., V]."""
-    saved = logits[..., ids].clone()
-    logits[..., ids] = float("-inf")
-    best = logits.argmax(-1)
-    logits[..., ids] = saved
-    return best
+# The step reads whole vocabulary rows only at a few positions (step 7's structural fix, step 11's escapes): it asks
+# for them by (row, column) of its [N, B] block, and gets [n, V] logits with MASK at -inf, its own to change. So the
+# caller can hand it rows of full logits, or compute them on demand from the hidden states (model_runner.py: the
+# rows that decided from vocabulary chunks have no full logits).
+LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [n], cols [n]) -> [n, V]
+
+
+def logits_at_of(logits: torch.Tensor) -> LogitsAt:
+    """The LogitsAt of full logits [N, B, V] (MASK at -inf): their rows, copied."""
+    return lambda rows, cols: logits[rows, cols]  # (advanced indexing copies)
 
 
 def scheduled_m2t(p: torch.Tensor, masked: torch.Tensor, need: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -137,7 +140,7 @@ def _in_seen(y: torch.Tensor, st: BlockState) -> torch.Tensor:
     return ((st.seen == y[:, None, :]).all(-1) & filled).any(-1)
 
 
-def _anti_loop(logits: torch.Tensor, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor, st: BlockState,
+def _anti_loop(logits_at: LogitsAt, p: torch.Tensor, x: torch.Tensor, y: torch.Tensor, st: BlockState,
                live: torch.Tensor, ids: StructuralIds) -> torch.Tensor:
     """Step 11 for the rows in `live` (not final): while y repeats an earlier pre-scan block, its least confident
     changed position takes its next-best token (MASK and the tokens already tried there left out)."""
@@ -152,7 +155,7 @@ def _anti_loop(logits: torch.Tensor, p: torch.Tensor, x: torch.Tensor, y: torch.
         rows = act.nonzero().flatten()  # [n]
         c = torch.where(changed, p, torch.full_like(p, float("inf"))).argmin(-1)[rows]  # [n]: lowest p, then position
         tried[rows, c, r] = y[rows, c]
-        row = logits[rows, c].clone()  # [n, V] (MASK already -inf)
+        row = logits_at(rows, c)  # [n, V] (MASK already -inf)
         vocab = row.shape[-1]
         banned = tried[rows, c]  # [n, R]
         fill = torch.zeros(row.shape[0], vocab + 1, dtype=torch.bool, device=y.device)
@@ -161,10 +164,10 @@ def _anti_loop(logits: torch.Tensor, p: torch.Tensor, x: torch.Tensor, y: torch.
     return y
 
 
-def levenshtein_step(logits: torch.Tensor, v: torch.Tensor, p: torch.Tensor, st: BlockState, s: Settings,
+def levenshtein_step(logits_at: LogitsAt, v: torch.Tensor, p: torch.Tensor, st: BlockState, s: Settings,
                      ids: StructuralIds) -> tuple[LevenshteinResult, BlockState, torch.Tensor, torch.Tensor]:
-    """One forward's step for N rows. logits: [N, B, V] with MASK at -inf (read, restored if touched); v, p: the
-    proposals and their probabilities [N, B] (argmax and its softmax mass at temperature 0). Returns the result,
+    """One forward's step for N rows. logits_at: the vocabulary rows of positions of the block (LogitsAt); v, p:
+    the proposals and their probabilities [N, B] (argmax and its softmax mass at temperature 0). Returns the result,
     the rows' next state, the pre-scan blocks y [N, B] and which rows append y to `seen` [N] (the non-final
     ones; the caller stores them)."""
     x, stable = st.tokens, st.finalized  # 1: finalized rows only run their stability forward
@@ -176,11 +179,14 @@ def levenshtein_step(logits: torch.Tensor, v: torch.Tensor, p: torch.Tensor, st:
     write = m2t | t2t  # 9
     structural = (v == ids.delete) | (v == ids.split)
     fix = (final & ~stable)[:, None] & write & structural
-    if bool(fix.any()):
-        v = torch.where(fix, argmax_excluding(logits, [ids.delete, ids.split]), v)
+    if bool(fix.any()):  # 7: a structural proposal written in a final round takes the best ordinary token
+        rows, cols = fix.nonzero(as_tuple=True)  # [n] each
+        row = logits_at(rows, cols)  # [n, V]
+        row[:, [ids.delete, ids.split]] = float("-inf")
+        v = v.index_put((rows, cols), row.argmax(-1))
     y = torch.where(write, v, x)  # 10
     live = ~final & ~stable
-    y = _anti_loop(logits, p, x, y, st, live, ids)  # 11
+    y = _anti_loop(logits_at, p, x, y, st, live, ids)  # 11
     z, zo = structural_scan(x, y, st.orig, st.prompt, ids)  # 12
     changed = (z != x).any(-1)  # 13
     had_mask = masked.any(-1)
@@ -242,17 +248,17 @@ class LevenshteinSlots:
                         max_post_steps=self.max_post_steps[slots],
                         max_steps_per_block=self.max_steps_per_block[slots])
 
-    def advance(self, logits: torch.Tensor, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
+    def advance(self, logits_at: LogitsAt, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
                 tokens: torch.Tensor, threshold: torch.Tensor, edit_threshold: torch.Tensor,
                 history: int | None = None) -> LevenshteinResult:
-        """The step for the rows `slots` [N] (logits [N, B, V], MASK at -inf; v, p, tokens [N, B]); their state
-        here moves to the next iteration. The caller stores result.tokens as the rows' blocks. `history`: an
+        """The step for the rows `slots` [N] (logits_at: their vocabulary rows, LogitsAt; v, p, tokens [N, B]);
+        their state here moves to the next iteration. The caller stores result.tokens as the rows' blocks. `history`: an
         upper bound on the rows' `seen` length after this step (their forwards in this block so far + 1),
         which spares a device sync; None: read it from the device."""
         self._reserve(history if history is not None else int(self.seen_len[slots].max()) + 1)
         st = self.state(slots, tokens)
-        result, nxt, y, append = levenshtein_step(logits, v, p, st, self.settings(slots, threshold, edit_threshold),
-                                                  self.ids)
+        result, nxt, y, append = levenshtein_step(logits_at, v, p, st,
+                                                  self.settings(slots, threshold, edit_threshold), self.ids)
         self.orig[slots], self.step[slots], self.post[slots] = nxt.orig, nxt.step, nxt.post
         self.finalized[slots] = nxt.finalized
         self._remember(slots, y, append)

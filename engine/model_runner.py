@@ -24,7 +24,7 @@ from redraft.engine.config import ModelConfig
 from redraft.engine.constrained import Constraint
 from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, propose, threshold_step
 from redraft.engine.faults import NO_FAULTS, FaultInjector
-from redraft.engine.levenshtein import LevenshteinResult, LevenshteinSlots, StructuralIds
+from redraft.engine.levenshtein import LevenshteinResult, LevenshteinSlots, LogitsAt, StructuralIds, logits_at_of
 from redraft.engine.logit_controls import LogitControls
 from redraft.engine.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
@@ -92,6 +92,8 @@ class Forward:
     top: Top1 | None = None  # [n_quick * L] flat, row-major
     logits: torch.Tensor | None = None  # [n_full, L, V]
     width: int = 0  # L: the longest window
+    quick_hidden: torch.Tensor | None = None  # [n_quick * L, H]: the quick rows' states, for the few vocabulary
+    #   rows the Levenshtein step reads (LLaDA2.2 checkpoints only)
 
 
 def needs_distribution(r: Request) -> bool:
@@ -274,9 +276,11 @@ class ModelRunner:
         decoding = [i for i, it in enumerate(items) if it.decodes]
         reqs = [items[i].req for i in decoding]
         graphs = self.graphs is not None and self.graphs.can_run(items)
-        # (a LLaDA2.2 checkpoint's rows all read full logits: DELETE/SPLIT are left out or ranked below the top-1)
-        chunked = self.vocab_reduce and self.lev is None and not graphs
-        quick = [j for j, r in enumerate(reqs) if chunked and not needs_distribution(r)]
+        chunked = self.vocab_reduce and not graphs
+        # (on a LLaDA2.2 checkpoint the 2.1 step's rows read full logits: DELETE and SPLIT are left out of their
+        # argmax; the Levenshtein step takes the top-1 as it is and asks for whole rows only where it needs them)
+        quick = [j for j, r in enumerate(reqs)
+                 if chunked and not needs_distribution(r) and (self.structural is None or r.params.levenshtein)]
         return ForwardPlan(batch, decoding, [r.window_size * self.block_size for r in reqs], quick, graphs)
 
     @torch.inference_mode()
@@ -294,9 +298,11 @@ class ModelRunner:
         n, width = rows.shape
         quick_set = set(plan.quick)
         full = [j for j in range(n) if j not in quick_set]
-        top = self.top1(hidden[rows[plan.quick].reshape(-1)]) if plan.quick else None  # [n_quick * L]
+        quick_rows = rows[plan.quick].reshape(-1) if plan.quick else None  # [n_quick * L]
+        top = self.top1(hidden[quick_rows]) if plan.quick else None
         logits = self.model.logits(hidden, rows[full]) if full else None  # [n_full, L, V]
-        return Forward(top, logits, width)
+        keep = self.lev is not None and bool(plan.quick)
+        return Forward(top, logits, width, quick_hidden=hidden[quick_rows] if keep else None)
 
     @torch.inference_mode()
     def decide(self, items: list[WorkItem], plan: ForwardPlan, fwd: Forward,
@@ -310,7 +316,7 @@ class ModelRunner:
         full = [j for j in range(len(reqs)) if j not in quick_set]
         parts = []
         if plan.quick:
-            parts.append((plan.quick, self._decide_top1(fwd.top, fwd.width, [reqs[j] for j in plan.quick])))
+            parts.append((plan.quick, self._decide_top1(fwd, [reqs[j] for j in plan.quick])))
         if full:
             parts.append((full, self._decide(fwd.logits, [reqs[j] for j in full], failed)))
         out = parts[0][1] if len(parts) == 1 and parts[0][0] == list(range(len(reqs))) \
@@ -318,10 +324,26 @@ class ModelRunner:
         out.failed = failed
         return out
 
-    def _decide_top1(self, top: Top1, width: int, reqs: list[Request]) -> StepOutput:
-        n = len(reqs)
-        result = self._advance(top.ids.view(n, width), top.prob.view(n, width), self.slots.slot_ids(reqs))
+    def _decide_top1(self, fwd: Forward, reqs: list[Request]) -> StepOutput:
+        n, width = len(reqs), fwd.width
+        t0 = time.perf_counter()
+        result = self._advance_rows(fwd.top.ids.view(n, width), fwd.top.prob.view(n, width),
+                                    self.slots.slot_ids(reqs), reqs, self._logits_from(fwd.quick_hidden, width))
+        self.step_seconds += time.perf_counter() - t0
         return self._step_output(result, [r.window_size * self.block_size for r in reqs], reqs)
+
+    def _logits_from(self, hidden: torch.Tensor | None, width: int) -> LogitsAt | None:
+        """The LogitsAt of rows that have no full logits: position (row, col) is hidden[row * width + col]
+        through the lm_head, in the full logits' dtype, MASK at -inf."""
+        if hidden is None:
+            return None
+
+        def at(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            logits = self.model.logits(hidden, rows * width + cols)  # [n, V]
+            exclude_mask_(logits, self.mask_id)
+            return logits
+
+        return at
 
     def top1(self, hidden: torch.Tensor) -> Top1:
         """Each row's best token (MASK excluded, lowest id on ties) and its probability, from [R, H] hidden states.
@@ -452,16 +474,22 @@ class ModelRunner:
         width = logits.shape[1]
         sampling = self.slots.sampling(slots, width) if any(r.params.temperature > 0 for r in reqs) else None
         v, p = propose(logits, sampling)
-        lev = [i for i, r in enumerate(reqs) if r.params.levenshtein]
-        if not lev:
-            result = self._advance(v, p, slots)
-        else:  # (a bound on the history rows the Levenshtein step may append to, known here without a sync)
-            history = max(reqs[i].state.stats.steps - reqs[i].state.block_start_stats.steps for i in lev) + 1
-            result = self._advance_mixed(logits, v, p, slots, lev, history)
+        result = self._advance_rows(v, p, slots, reqs, logits_at_of(logits))
         self.step_seconds += time.perf_counter() - t0
         return result
 
-    def _advance_mixed(self, logits: torch.Tensor, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
+    def _advance_rows(self, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor, reqs: list[Request],
+                      logits_at: LogitsAt | None) -> StepResult:
+        """The step of each row from its proposals v and their probabilities p ([N, L]): the 2.1 step, or the
+        Levenshtein step on the rows that asked for it (logits_at: their vocabulary rows where it needs them)."""
+        lev = [i for i, r in enumerate(reqs) if r.params.levenshtein]
+        if not lev:
+            return self._advance(v, p, slots)
+        # (a bound on the history rows the Levenshtein step may append to, known here without a sync)
+        history = max(reqs[i].state.stats.steps - reqs[i].state.block_start_stats.steps for i in lev) + 1
+        return self._advance_mixed(logits_at, v, p, slots, lev, history)
+
+    def _advance_mixed(self, logits_at: LogitsAt, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
                        lev: list[int], history: int) -> StepResult:
         """The Levenshtein step on rows `lev` (one block each) and the 2.1 step on the others, as one StepResult
         whose `ended`, `deletions`, `insertions` say what the Levenshtein rows did (ended -1 on the others)."""
@@ -483,10 +511,9 @@ class ModelRunner:
             m2t = torch.zeros(n, width, dtype=torch.bool, device=self.device)
             t2t, had = torch.zeros_like(m2t), torch.zeros(n, dtype=torch.bool, device=self.device)
         s, rows = self.slots, slots[idx]
-        whole = len(lev) == n and width == b  # every row, one block each: no copy of the logits
-        sub = logits if whole else logits[idx, :b]  # [n, B, V]
-        res: LevenshteinResult = self.lev.advance(sub, v[idx, :b], p[idx, :b], rows, s.tokens[rows, :b],
-                                                  s.threshold[rows], s.edit_threshold[rows], history)
+        res: LevenshteinResult = self.lev.advance(lambda r, c: logits_at(idx[r], c), v[idx, :b], p[idx, :b], rows,
+                                                  s.tokens[rows, :b], s.threshold[rows], s.edit_threshold[rows],
+                                                  history)
         s.tokens[rows, :b] = res.tokens
         s.steps[rows] += 1
         tokens[idx] = s.tokens[rows, :width]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from naive_llada22 import Block, Counts, Settings, structural_scan
-from redraft.engine.levenshtein import LevenshteinSlots, StructuralIds, structural_scan as batched_scan
+from redraft.engine.levenshtein import LevenshteinSlots, StructuralIds, logits_at_of, structural_scan as batched_scan
 
 M, D, S = 5, 6, 7  # MASK, DELETE, SPLIT in the synthetic vocabulary of 8 ids
 IDS = StructuralIds(mask=M, delete=D, split=S)
@@ -124,7 +124,8 @@ def test_step_matches_the_scalar_reference(kind: str) -> None:
         v = logits.argmax(-1)
         p = torch.softmax(logits, -1).gather(-1, v[..., None])[..., 0]
         idx = torch.tensor([row_slots[j] for j in live])
-        res = slots.advance(logits, v, p, idx, tokens[live], torch.tensor([thr[j] for j in live], dtype=torch.float64),
+        res = slots.advance(logits_at_of(logits), v, p, idx, tokens[live],
+                            torch.tensor([thr[j] for j in live], dtype=torch.float64),
                             torch.tensor([ethr[j] for j in live], dtype=torch.float64))
         for k, j in enumerate(live):
             blk = blocks[j]

@@ -148,6 +148,41 @@ def test_every_path_runs_on_the_tiny_checkpoints(t22: Cache) -> None:
     assert all(paths.values()), paths
 
 
+def test_levenshtein_rows_decide_without_full_logits(t22: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Levenshtein request that needs nothing but the top-1 decides from vocabulary chunks (no [N, L, V]
+    logits in its forwards), and the step computes whole vocabulary rows only at the positions it reads them
+    (a structural proposal in a final round, an anti-loop escape), still equal to the definition."""
+    t = t22[0]
+    runner = t.engine.core.runner
+    forward, logits_from = runner.forward, runner._logits_from
+    full_logits, positions, rows_read = [], [0], [0]
+
+    def spy_forward(plan):
+        fwd = forward(plan)
+        full_logits.append(fwd.logits is not None)
+        return fwd
+
+    def spy_logits_from(hidden, width):
+        at = logits_from(hidden, width)
+
+        def counted(r, c):
+            rows_read[0] += len(r)
+            return at(r, c)
+
+        return counted
+
+    monkeypatch.setattr(runner, "forward", spy_forward)
+    monkeypatch.setattr(runner, "_logits_from", spy_logits_from)
+    sp = {"mode": "Q", "max_new_tokens": 64, "ignore_eos": True}
+    for salt in (1, 2, 3):
+        ids = t.prompt(20, salt=salt)
+        out = t.engine.generate(input_ids=ids, sampling_params=sp)
+        t.check(out, t.reference(ids, sp))
+        positions[0] += out["meta_info"]["steps"] * B
+    assert full_logits and not any(full_logits)  # every forward: top-1 only
+    assert 0 < rows_read[0] < positions[0] / 10, (rows_read, positions)
+
+
 def _mixed(t: Tiny22) -> tuple[list[list[int]], list[dict[str, Any]]]:
     prompts = [t.prompt(n, salt=7) for n in (3, 20, 33, 50, 64)]
     params = [{"max_new_tokens": 40}, {"decoder": "threshold", "mode": "S", "max_new_tokens": 50},
