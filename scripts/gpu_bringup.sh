@@ -6,7 +6,7 @@
 #   WHEELS=wheels bash scripts/gpu_bringup.sh setup    # install redraft's missing dependencies from local wheels
 #       (on a machine without a package index: fetch them beforehand with `bash scripts/gpu_wheels.sh wheels`)
 #
-# Phases: setup, info, kernels, step, engine, moe, serve, serve-overlap. Logs, JSON and the updated docs/gpu.md go to $OUT (default
+# Phases: setup, info, kernels, step, engine, moe, serve, serve-overlap, llada22. Logs, JSON and the updated docs/gpu.md go to $OUT (default
 # ./gpu-out). Each phase has its own time limit, so one hang cannot eat the others' time; a phase's failure is
 # recorded and the next one runs.
 set -u
@@ -81,6 +81,7 @@ for phase in "${phases[@]}"; do
                      --timeout $(( ${KERNELS_LIMIT:-200} - 20 )) -rfE $KERNEL_TESTS ;;
         step) run_phase step "${STEP_LIMIT:-200}" $PY benchmarks/bench_gpu_step.py --write-docs \
                   --json-out "$OUT/step.json" ${STEP_ARGS:-} ;;
+        llada22) run_phase llada22 "${LLADA22_LIMIT:-90}" $PY scripts/gpu_llada22_check.py ;;
         engine) run_phase engine "${ENGINE_LIMIT:-150}" $PY benchmarks/bench_gpu_engine.py \
                   --json-out "$OUT/engine.json" ${ENGINE_ARGS:-} ;;
         moe) run_phase moe "${MOE_LIMIT:-170}" $PY benchmarks/bench_moe.py --write-docs \
