@@ -404,6 +404,9 @@ class EngineCore:
         its ScoreResult comes out of take_score_results. RequestError as in _new_score_job."""
         if token in self.scoring.jobs:
             raise RequestError(f"score job {token!r} is already running", code="duplicate_request_id")
+        limit = self.scheduler.config.max_queued_requests  # (jobs wait for the engine as requests do: one bound)
+        if limit is not None and len(self.scoring.jobs) >= limit:
+            raise RequestError(f"the queue is full ({limit} likelihood jobs running)", status=503, code="queue_full")
         self.scoring.add(self._new_score_job(token, sequences, variants, top_k))
 
     def cancel_score(self, token: str) -> bool:

@@ -75,7 +75,8 @@ class ServerArgs:
                                      aliases=("--max-num-seqs",))
     context_length: int | None = _opt("cap the context (prompt + output tokens) below the checkpoint's "
                                       "max_position_embeddings", type=int, aliases=("--max-model-len",))
-    max_queued_requests: int | None = _opt("beyond this many waiting requests: 503", type=int)
+    max_queued_requests: int | None = _opt("beyond this many waiting requests (or running likelihood jobs: /score, "
+                                           "echo): 503", type=int)
     schedule_policy: str = _opt("admission order: first come first served, or longest cached prefix first",
                                 choices=("fcfs", "lpm"), default="fcfs")
     enable_prefix_cache: bool = _opt("do not reuse the K/V of cached prompt blocks (the radix prefix cache is on "

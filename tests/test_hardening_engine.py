@@ -7,6 +7,7 @@ live server by REDRAFT_FAULT_INJECT (read once at engine start)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 import redraft
 from redraft.engine.faults import FaultInjector, InjectedFault
 from redraft.engine.likelihood import staircase_variants
+from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams
 from tests.live_server import RedraftServer, assert_error_shape
 
@@ -184,6 +186,27 @@ def test_a_cancelled_score_job_releases_its_pages_at_once(engine) -> None:
     assert core.cancel_score("job-2") and not core.cancel_score("job-2")
     assert core.scoring.leases.count == 0 and not core.has_work() and not core.take_score_results()
     assert pool.num_free + core.scheduler.cache.cached_pages == pool.capacity
+
+
+def test_likelihood_jobs_beyond_the_queue_bound_are_503s(engine, monkeypatch) -> None:
+    """--max-queued-requests bounds running likelihood jobs too (each holds KV pages while it runs): one more is
+    a 503 queue_full that leases nothing; a finished or cancelled job makes room."""
+    core = engine.core
+    core.flush_cache()
+    monkeypatch.setattr(core.scheduler, "config", dataclasses.replace(core.scheduler.config, max_queued_requests=2))
+    ids, variants = _staircase(200, seed=6)
+    core.add_score_job("bound-1", [ids], variants)
+    core.add_score_job("bound-2", [ids], variants)
+    leases = core.scoring.leases.count
+    with pytest.raises(RequestError) as err:
+        core.add_score_job("bound-3", [ids], variants)
+    assert (err.value.status, err.value.code) == (503, "queue_full") and "2 likelihood jobs" in err.value.message
+    assert core.scoring.leases.count == leases and set(core.scoring.jobs) == {"bound-1", "bound-2"}
+    assert core.cancel_score("bound-2")
+    core.add_score_job("bound-3", [ids], variants)
+    for rid in ("bound-1", "bound-3"):
+        core.cancel_score(rid)
+    assert core.scoring.leases.count == 0
 
 
 def test_a_failing_score_job_ends_alone_with_an_error(engine, alone) -> None:
