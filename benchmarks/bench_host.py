@@ -3,6 +3,7 @@
     python benchmarks/bench_host.py                       # batches 1 16 64 128, tiny model, one thread
     python benchmarks/bench_host.py --batches 64 --steps 40
     python benchmarks/bench_host.py --skip-split --skip-memory --rounds 5   # only the overlap table
+    python benchmarks/bench_host.py --device cuda --batches 1 32 --skip-memory  # GPU: LLaDA2.1-mini shape, dummy
 
 Part 1 (time): `redraft.Engine` on a tiny model decodes `batch` greedy requests; every engine step is split into
 the model forward, the decision (lm_head and the draft-and-edit step), and the host's parts: scheduling, the
@@ -10,6 +11,9 @@ update of the requests, their outputs, and the rest (batch building, attention m
 twice per batch size, alternating, with the decision from full logits ("full") and from vocabulary chunks
 ("chunked", kernels/vocab_top1.py); medians over the steps of the steady state. The split is of the serial loop
 (--disable-overlap): with overlap on, the forward runs on a worker thread and its time would land in other parts.
+With --device cuda the model is LLaDA2.1-mini's shape with random weights (Triton kernels, CUDA graphs up to the
+largest batch), and each timed part synchronizes the device before and after, so the GPU time a part queued is
+counted in it (the forward of a replayed graph includes its lm_head).
 
 Part 2 (overlap): the same steady state with the overlap scheduler off and on (engine/overlap.py: forward k+1 runs
 on a worker thread while the host updates, reports and schedules iteration k), alternating off/on for `rounds`
@@ -41,18 +45,23 @@ from redraft.engine.tiny import make_tiny_checkpoint
 from redraft.protocol.sampling_params import SamplingParams
 
 PARTS = ("forward", "decide", "schedule", "update", "outputs")
+DEVICE = "cpu"  # --device
 LLADA2_VOCAB = 157_184
 
 
 def _timed(obj: object, name: str, bucket: dict[str, float], part: str) -> None:
-    """Wrap obj.name so that its time adds to bucket[part] (a benchmark's instrument, never the engine's)."""
+    """Wrap obj.name so that its time adds to bucket[part] (a benchmark's instrument, never the engine's). On a
+    GPU the device is synchronized around it: the part owns the device time it queued."""
     fn = getattr(obj, name)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def wrapper(*args, **kwargs):
+        sync()
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
+            sync()
             bucket[part] += time.perf_counter() - t0
 
     setattr(obj, name, wrapper)
@@ -65,14 +74,25 @@ def _steady(engine: Engine, batch: int, steps: int) -> None:
         engine.core.add_request(f"r{i}", [5 + i % 50, 6, 7, 8 + i % 7], params)
 
 
+def _engine(path: Path, batch: int, **kw) -> Engine:
+    """The engine of one measurement: the tiny checkpoint on one CPU thread, or on CUDA the mini shape's random
+    weights (Triton kernels, graphs up to `batch`, a fixed KV cache so that engines made one after another fit)."""
+    if DEVICE == "cuda":
+        return Engine(str(path), device="cuda", load_format="dummy", kernel_backend="triton", progress=False,
+                      max_running_requests=max(batch, 1), cuda_graph_max_bs=max(batch, 1),
+                      max_total_tokens=32 * 1024, **kw)
+    return Engine(str(path), max_running_requests=max(batch, 1), cpu_threads=1, progress=False, **kw)
+
+
 def step_split(path: Path, batch: int, chunked: bool, steps: int) -> dict[str, float]:
     """Median milliseconds per engine step of each part (and the whole step), batch requests in flight."""
-    engine = Engine(str(path), max_running_requests=max(batch, 1), cpu_threads=1, progress=False,
-                    disable_overlap=True)
+    engine = _engine(path, batch, disable_overlap=True)
     core = engine.core
     core.runner.vocab_reduce = chunked
     bucket: dict[str, float] = defaultdict(float)
     _timed(core.runner.model, "forward", bucket, "forward")
+    if core.runner.graphs is not None:
+        _timed(core.runner.graphs, "run", bucket, "forward")  # a replayed step: the forward and its lm_head
     _timed(core.runner.model, "logits", bucket, "decide")  # the lm_head of rows that need full logits
     _timed(core.runner, "top1", bucket, "decide")  # the lm_head of the others, in vocabulary chunks
     _timed(core.runner, "decide", bucket, "decide")  # the draft-and-edit step
@@ -98,16 +118,18 @@ def step_split(path: Path, batch: int, chunked: bool, steps: int) -> dict[str, f
 
 def step_times(path: Path, batch: int, overlap: bool, steps: int) -> tuple[list[float], float]:
     """Milliseconds of each steady-state engine step, and the share of forwards that ran overlapped."""
-    engine = Engine(str(path), max_running_requests=max(batch, 1), cpu_threads=1, progress=False,
-                    disable_overlap=not overlap, enable_overlap=overlap)
+    engine = _engine(path, batch, disable_overlap=not overlap, enable_overlap=overlap)
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     core = engine.core
     _steady(engine, batch, steps)
     times = []
     for k in range(steps + 3):
         if k == 3:  # admission and prefill: not the steady state
             forwards, used = core.num_forwards, core.num_overlapped_forwards
+        sync()
         t0 = time.perf_counter()
         core.step()
+        sync()
         if k >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
     share = (core.num_overlapped_forwards - used) / max(core.num_forwards - forwards, 1)
@@ -180,12 +202,23 @@ def main() -> None:
     ap.add_argument("--skip-split", action="store_true")
     ap.add_argument("--skip-overlap", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: LLaDA2.1-mini's shape with random weights instead of the tiny checkpoint")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(1)
-    print(f"# bench_host: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread\n")
+    where = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "1 thread, tiny checkpoint"
+    print(f"# bench_host: {platform.processor() or platform.machine()}, torch {torch.__version__}, {where}\n")
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "tiny"
-        make_tiny_checkpoint(path, seed=0)
+        path = Path(tmp) / "model"
+        if DEVICE == "cuda":
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from bench_gpu_step import write_model_dir
+
+            write_model_dir(path, "mini")
+        else:
+            make_tiny_checkpoint(path, seed=0)
         if not args.skip_split:
             split_table(path, args.batches, args.steps)
         if not args.skip_overlap:
