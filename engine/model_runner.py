@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,6 +82,8 @@ class ForwardPlan:
     lens: list[int]  # [n] window positions of each decoding item
     quick: list[int]  # of the decoding rows, those decided from vocabulary chunks (`needs_distribution` false)
     graphs: bool  # replayed from a CUDA graph (every row then gets full logits)
+    plain: list[int] = field(default_factory=list)  # of `quick`, the 2.1 step's rows on a LLaDA2.2 checkpoint:
+    #   their argmax leaves DELETE and SPLIT out too
 
 
 @dataclass
@@ -277,11 +279,9 @@ class ModelRunner:
         reqs = [items[i].req for i in decoding]
         graphs = self.graphs is not None and self.graphs.can_run(items)
         chunked = self.vocab_reduce and not graphs
-        # (on a LLaDA2.2 checkpoint the 2.1 step's rows read full logits: DELETE and SPLIT are left out of their
-        # argmax; the Levenshtein step takes the top-1 as it is and asks for whole rows only where it needs them)
-        quick = [j for j, r in enumerate(reqs)
-                 if chunked and not needs_distribution(r) and (self.structural is None or r.params.levenshtein)]
-        return ForwardPlan(batch, decoding, [r.window_size * self.block_size for r in reqs], quick, graphs)
+        quick = [j for j, r in enumerate(reqs) if chunked and not needs_distribution(r)]
+        plain = [j for j in quick if self.structural is not None and not reqs[j].params.levenshtein]
+        return ForwardPlan(batch, decoding, [r.window_size * self.block_size for r in reqs], quick, graphs, plain)
 
     @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> Forward:
@@ -299,7 +299,7 @@ class ModelRunner:
         quick_set = set(plan.quick)
         full = [j for j in range(n) if j not in quick_set]
         quick_rows = rows[plan.quick].reshape(-1) if plan.quick else None  # [n_quick * L]
-        top = self.top1(hidden[quick_rows]) if plan.quick else None
+        top = self._quick_top1(hidden, rows, plan) if plan.quick else None
         logits = self.model.logits(hidden, rows[full]) if full else None  # [n_full, L, V]
         keep = self.lev is not None and bool(plan.quick)
         return Forward(top, logits, width, quick_hidden=hidden[quick_rows] if keep else None)
@@ -345,16 +345,35 @@ class ModelRunner:
 
         return at
 
-    def top1(self, hidden: torch.Tensor) -> Top1:
-        """Each row's best token (MASK excluded, lowest id on ties) and its probability, from [R, H] hidden states.
+    def _quick_top1(self, hidden: torch.Tensor, rows: torch.Tensor, plan: ForwardPlan) -> Top1:
+        """The quick rows' top-1 [n_quick * L]: MASK left out, and on a LLaDA2.2 checkpoint DELETE and SPLIT too
+        for the 2.1 step's rows (`plan.plain`; the Levenshtein step proposes them)."""
+        if not plan.plain:
+            return self.top1(hidden[rows[plan.quick].reshape(-1)])
+        plain = set(plan.plain)
+        structural = (self.structural.delete, self.structural.split)
+        groups = [([q for q, j in enumerate(plan.quick) if j not in plain], ()),
+                  ([q for q, j in enumerate(plan.quick) if j in plain], structural)]
+        width = rows.shape[1]
+        tops = [(qs, self.top1(hidden[rows[[plan.quick[q] for q in qs]].reshape(-1)], also))
+                for qs, also in groups if qs]
+        ids = torch.empty(len(plan.quick), width, dtype=torch.long, device=self.device)  # [n_quick, L]
+        prob = torch.empty(len(plan.quick), width, dtype=tops[0][1].prob.dtype, device=self.device)
+        for qs, top in tops:
+            ids[qs], prob[qs] = top.ids.view(len(qs), width), top.prob.view(len(qs), width)
+        return Top1(ids=ids.reshape(-1), prob=prob.reshape(-1))
+
+    def top1(self, hidden: torch.Tensor, also: tuple[int, ...] = ()) -> Top1:
+        """Each row's best token (MASK and `also` excluded, lowest id on ties) and its probability, from [R, H]
+        hidden states.
         Compiled Triton on CUDA (one fused lm_head + reduction); the chunked torch path elsewhere, whose ids are
         the full logits' (the Triton kernel accumulates in another order: see kernels/vocab_top1_triton.py)."""
         weight = self.model.lm_head.weight  # [V, H]
         if self.device.type == "cuda" and self.model.kernel_backend == "triton" and hidden.dtype != torch.float64:
             from redraft.kernels.vocab_top1_triton import lm_head_top1_triton  # imports triton lazily
 
-            return lm_head_top1_triton(hidden, weight, self.mask_id).combine()
-        return lm_head_top1_torch(hidden, weight, self.mask_id).combine()
+            return lm_head_top1_triton(hidden, weight, (self.mask_id, *also)).combine()
+        return lm_head_top1_torch(hidden, weight, (self.mask_id, *also)).combine()
 
     def _decide(self, logits: torch.Tensor, reqs: list[Request],
                 failed: dict[str, tuple[str, BaseException]]) -> StepOutput:

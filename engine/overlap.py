@@ -123,7 +123,8 @@ def _next_block_follows(req: Request, window: list[int], block_size: int) -> boo
 def same_forward(a: ForwardPlan, b: ForwardPlan) -> bool:
     """Whether two plans describe the same forward: equal inputs, geometry and decision split."""
     x, y = a.batch, b.batch
-    return (a.decoding == b.decoding and a.lens == b.lens and a.quick == b.quick and a.graphs == b.graphs
+    return (a.decoding == b.decoding and a.lens == b.lens and a.quick == b.quick and a.plain == b.plain
+            and a.graphs == b.graphs
             and x.q_starts == y.q_starts and x.q_lens == y.q_lens and x.page_tables == y.page_tables
             and x.window_starts == y.window_starts and torch.equal(x.input_ids, y.input_ids))
 

@@ -20,6 +20,7 @@ threshold (see docs/benchmarks.md).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,20 @@ class Top1Partials:
         return Top1(ids=ids, prob=torch.exp(-torch.log(total)))
 
 
-def lm_head_top1_torch(hidden: torch.Tensor, weight: torch.Tensor, exclude_id: int | None,
+def excluded_ids(exclude: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The token ids a reduction leaves out, as a tuple (None: none; an int: that one)."""
+    if exclude is None:
+        return ()
+    return (int(exclude),) if isinstance(exclude, int) else tuple(int(t) for t in exclude)
+
+
+def lm_head_top1_torch(hidden: torch.Tensor, weight: torch.Tensor, exclude: int | Sequence[int] | None,
                        chunk: int = DEFAULT_CHUNK, vocab_offset: int = 0) -> Top1Partials:
     """hidden [R, H] (final-normed, model dtype), weight [V, H] (the lm_head, or a rank's slice of it whose first
-    row is token `vocab_offset`) -> one piece per call: best logit, its id and sumexp per row. `exclude_id` (the
-    MASK token) never wins and adds nothing to the sum, as `exclude_mask_` makes it in the full-logits path."""
+    row is token `vocab_offset`) -> one piece per call: best logit, its id and sumexp per row. The `exclude` ids
+    (MASK; on a LLaDA2.2 checkpoint's 2.1-step rows DELETE and SPLIT too) never win and add nothing to the sum,
+    as -inf logits do in the full-logits path."""
+    gone = excluded_ids(exclude)
     cdt = compute_dtype(hidden.dtype)
     r, v = hidden.shape[0], weight.shape[0]
     best = torch.full((r,), float("-inf"), dtype=cdt, device=hidden.device)
@@ -68,8 +78,9 @@ def lm_head_top1_torch(hidden: torch.Tensor, weight: torch.Tensor, exclude_id: i
     total = torch.zeros(r, dtype=cdt, device=hidden.device)
     for start in range(0, v, chunk):
         logits = F.linear(hidden, weight[start : start + chunk]).to(cdt)  # [R, C]
-        if exclude_id is not None and 0 <= exclude_id - vocab_offset - start < logits.shape[1]:
-            logits[:, exclude_id - vocab_offset - start] = float("-inf")
+        for t in gone:
+            if 0 <= t - vocab_offset - start < logits.shape[1]:
+                logits[:, t - vocab_offset - start] = float("-inf")
         chunk_best, chunk_arg = logits.max(-1)  # [R]; the first maximal index on ties
         new_best = torch.maximum(best, chunk_best)
         safe = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # all -inf so far: 0

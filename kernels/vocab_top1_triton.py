@@ -14,11 +14,13 @@ round to a neighbouring bf16 value where the full path's does not: see docs/gpu.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from redraft.kernels.attention_triton import HAS_TRITON, check_device, interpreting, next_pow2
 from redraft.kernels.moe import compute_dtype
-from redraft.kernels.vocab_top1 import Top1Partials
+from redraft.kernels.vocab_top1 import Top1Partials, excluded_ids
 
 if HAS_TRITON:
     import triton
@@ -27,7 +29,7 @@ if HAS_TRITON:
     @triton.jit
     def _lm_head_top1_kernel(
         h_ptr, w_ptr, best_ptr, ids_ptr, sum_ptr,
-        R, V, H, exclude, stride_h, stride_w, stride_part,
+        R, V, H, ex0, ex1, ex2, stride_h, stride_w, stride_part,
         BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
         ROUND_TO: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -45,7 +47,7 @@ if HAS_TRITON:
                 h, w = h.to(tl.float32), w.to(tl.float32)
             acc += tl.dot(h, tl.trans(w), input_precision=PRECISION)
         logits = acc.to(ROUND_TO).to(tl.float32)  # what the lm_head's output holds, widened
-        drop = (cols >= V) | (cols == exclude)
+        drop = (cols >= V) | (cols == ex0) | (cols == ex1) | (cols == ex2)  # (-1: no id)
         logits = tl.where(drop[None, :], float("-inf"), logits)  # [BR, BV]
         best = tl.max(logits, 1)  # [BR]
         arg = tl.argmax(logits, 1, tie_break_left=True)
@@ -60,9 +62,10 @@ if HAS_TRITON:
 _ROUND = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def lm_head_top1_triton(hidden: torch.Tensor, weight: torch.Tensor, exclude_id: int | None,
+def lm_head_top1_triton(hidden: torch.Tensor, weight: torch.Tensor, exclude: int | Sequence[int] | None,
                         vocab_offset: int = 0, block_v: int = 128) -> Top1Partials:
-    """hidden [R, H], weight [V, H] (bf16, fp16 or fp32) -> one partial per BLOCK_V tokens, ids global."""
+    """hidden [R, H], weight [V, H] (bf16, fp16 or fp32) -> one partial per BLOCK_V tokens, ids global; at most
+    three `exclude` ids (MASK, and DELETE and SPLIT on a LLaDA2.2 checkpoint's 2.1-step rows)."""
     check_device(hidden)
     if hidden.dtype not in _ROUND or weight.dtype != hidden.dtype:
         raise TypeError(f"lm_head_top1_triton takes bf16/fp16/fp32 operands of one dtype, got "
@@ -76,10 +79,13 @@ def lm_head_top1_triton(hidden: torch.Tensor, weight: torch.Tensor, exclude_id: 
     sumexp = torch.empty_like(best)
     block_r = min(64, max(16, next_pow2(r)))
     block_h = min(64, max(16, next_pow2(h)))
-    exclude = -1 if exclude_id is None else exclude_id - vocab_offset
+    gone = [t - vocab_offset for t in excluded_ids(exclude)]
+    if len(gone) > 3:
+        raise ValueError(f"lm_head_top1_triton leaves out at most 3 ids, got {len(gone)}")
+    ex0, ex1, ex2 = gone + [-1] * (3 - len(gone))
     grid = (triton.cdiv(r, block_r), parts)
     _lm_head_top1_kernel[grid](
-        hidden, weight, best, ids, sumexp, r, v, h, exclude, hidden.stride(0), weight.stride(0), parts,
+        hidden, weight, best, ids, sumexp, r, v, h, ex0, ex1, ex2, hidden.stride(0), weight.stride(0), parts,
         BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_H=block_h,
         ROUND_TO=getattr(tl, _ROUND[hidden.dtype]), UPCAST=interpreting(),
         PRECISION="ieee" if interpreting() or hidden.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding

@@ -151,7 +151,8 @@ def test_every_path_runs_on_the_tiny_checkpoints(t22: Cache) -> None:
 def test_levenshtein_rows_decide_without_full_logits(t22: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Levenshtein request that needs nothing but the top-1 decides from vocabulary chunks (no [N, L, V]
     logits in its forwards), and the step computes whole vocabulary rows only at the positions it reads them
-    (a structural proposal in a final round, an anti-loop escape), still equal to the definition."""
+    (a structural proposal in a final round, an anti-loop escape), still equal to the definition; a 2.1-step
+    request of the same checkpoint as well (its argmax without DELETE and SPLIT)."""
     t = t22[0]
     runner = t.engine.core.runner
     forward, logits_from = runner.forward, runner._logits_from
@@ -179,8 +180,12 @@ def test_levenshtein_rows_decide_without_full_logits(t22: Cache, monkeypatch: py
         out = t.engine.generate(input_ids=ids, sampling_params=sp)
         t.check(out, t.reference(ids, sp))
         positions[0] += out["meta_info"]["steps"] * B
-    assert full_logits and not any(full_logits)  # every forward: top-1 only
     assert 0 < rows_read[0] < positions[0] / 10, (rows_read, positions)
+    # the 2.1 step's rows of this checkpoint too: their chunked argmax leaves DELETE and SPLIT out
+    for salt, mode in ((1, "S"), (2, "Q")):
+        ids, sp = t.prompt(33, salt=salt), {"decoder": "threshold", "mode": mode, "max_new_tokens": 40}
+        assert _got(t, t.engine.generate(input_ids=ids, sampling_params=sp), sp) == _want(t, ids, sp)
+    assert full_logits and not any(full_logits)  # every forward: top-1 only
 
 
 def _mixed(t: Tiny22) -> tuple[list[list[int]], list[dict[str, Any]]]:

@@ -19,11 +19,12 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 from redraft.kernels.vocab_top1 import full_logits_top1, lm_head_top1_torch, Top1Partials  # noqa: E402
 
 
-def _full(hidden: torch.Tensor, weight: torch.Tensor, exclude: int | None) -> torch.Tensor:
-    """What LLaDA2Model.logits + exclude_mask_ compute: [R, V] >= fp32."""
+def _full(hidden: torch.Tensor, weight: torch.Tensor, exclude: int | tuple[int, ...] | None) -> torch.Tensor:
+    """What LLaDA2Model.logits + exclude_mask_ (+ the structural ids of a 2.2 checkpoint's 2.1 rows) compute:
+    [R, V] >= fp32."""
     logits = torch.nn.functional.linear(hidden, weight).to(torch.promote_types(hidden.dtype, torch.float32))
     if exclude is not None:
-        logits[:, exclude] = float("-inf")
+        logits[:, [exclude] if isinstance(exclude, int) else list(exclude)] = float("-inf")
     return logits
 
 
@@ -42,7 +43,7 @@ def test_chunked_torch_equals_full_logits(dtype: torch.dtype, chunk: int) -> Non
     want = full_logits_top1(_full(hidden, weight, exclude))
     got = lm_head_top1_torch(hidden, weight, exclude, chunk=chunk).combine()
     assert torch.equal(got.ids, want.ids)
-    assert (got.ids != exclude).all()
+    assert not set(got.ids.tolist()) & ({exclude} if isinstance(exclude, int) else set(exclude))
     tol = {torch.float64: 1e-13, torch.float32: 2e-5, torch.bfloat16: 2e-5}[dtype]  # 1,000 sequential folds at chunk 1
     torch.testing.assert_close(got.prob, want.prob, rtol=tol, atol=0)
 
@@ -52,11 +53,25 @@ def test_ties_go_to_the_lowest_id_across_chunks() -> None:
     weight = torch.zeros(20, 4)
     weight[[2, 9, 15]] = 1.0  # three equal best logits, in different chunks of 8
     weight[5] = 2.0  # the best, but excluded
-    got = lm_head_top1_torch(hidden, weight, exclude_id=5, chunk=8).combine()
+    got = lm_head_top1_torch(hidden, weight, exclude=5, chunk=8).combine()
     assert got.ids.tolist() == [2, 2, 2]
     want = full_logits_top1(_full(hidden, weight, 5))
     assert want.ids.tolist() == [2, 2, 2]
     torch.testing.assert_close(got.prob, want.prob)
+
+
+def test_several_ids_left_out() -> None:
+    """MASK, DELETE and SPLIT at once (a LLaDA2.2 checkpoint's 2.1-step rows), each the best logit of some row,
+    in different chunks: never chosen, and out of the probability's sum."""
+    hidden, weight = _case(torch.float64, r=6, v=300, h=16, seed=9)
+    gone = (7, 298, 299)
+    for row, t in enumerate(gone):
+        weight[t] = hidden[row] * 5  # token t wins row `row` by far, if it may
+    want = full_logits_top1(_full(hidden, weight, gone))
+    got = lm_head_top1_torch(hidden, weight, gone, chunk=64).combine()
+    assert torch.equal(got.ids, want.ids) and not set(got.ids.tolist()) & set(gone)
+    torch.testing.assert_close(got.prob, want.prob, rtol=1e-13, atol=0)
+    assert not torch.equal(got.ids, lm_head_top1_torch(hidden, weight, 7, chunk=64).combine().ids)
 
 
 def test_rank_slices_merge_like_the_whole_vocabulary() -> None:
@@ -74,13 +89,12 @@ def test_rank_slices_merge_like_the_whole_vocabulary() -> None:
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("r,v,h", [(5, 300, 16), (70, 517, 40)])
-def test_triton_tiles_equal_torch(dtype: torch.dtype, r: int, v: int, h: int) -> None:
+@pytest.mark.parametrize("r,v,h,exclude", [(5, 300, 16, 17), (70, 517, 40, 17), (70, 517, 40, (17, 515, 516))])
+def test_triton_tiles_equal_torch(dtype: torch.dtype, r: int, v: int, h: int, exclude) -> None:
     triton_top1 = pytest.importorskip("redraft.kernels.vocab_top1_triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hidden, weight = _case(dtype, r=r, v=v, h=h, seed=3)
     hidden, weight = hidden.to(device), weight.to(device)
-    exclude = 17
     got = triton_top1.lm_head_top1_triton(hidden, weight, exclude, block_v=64).combine()
     want = full_logits_top1(_full(hidden, weight, exclude))
     logits = _full(hidden, weight, exclude)
@@ -93,4 +107,4 @@ def test_triton_tiles_equal_torch(dtype: torch.dtype, r: int, v: int, h: int) ->
     assert differ.float().mean() <= (0.05 if dtype == torch.bfloat16 else 0.0)
     tol = 6e-2 if dtype == torch.bfloat16 else 1e-5  # a bf16 logit one ulp apart moves p by up to ~2^-8 * |logit|
     torch.testing.assert_close(got.prob[~differ], want.prob[~differ], rtol=tol, atol=1e-6)
-    assert (got.ids != exclude).all()
+    assert not set(got.ids.tolist()) & ({exclude} if isinstance(exclude, int) else set(exclude))
