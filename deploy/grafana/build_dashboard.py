@@ -105,8 +105,10 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] =
          "timeseries"),
         ("Engine up", "none", "1 when the engine process answered the last scrape, 0 when not.",
          [(f"min(redraft:engine_up{{{SEL}}})", "engine up")], "stat"),
-        ("Rejections and preemptions", "short", "Requests refused at admission (by code), and preemptions.",
+        ("Rejections, failures and preemptions", "short",
+         "Requests refused at admission (by code), requests a failure inside the engine ended, and preemptions.",
          [(rate("redraft:rejected_requests_total", "code"), "rejected: {{code}}"),
+          (rate("redraft:failed_requests_total"), "failed in the engine"),
           (f"sum(increase(redraft:num_preemptions{{{SEL}}}{RATE}))", "preemptions")], "timeseries"),
     ]),
 ]
