@@ -298,11 +298,11 @@ class ModelRunner:
         n, width = rows.shape
         quick_set = set(plan.quick)
         full = [j for j in range(n) if j not in quick_set]
-        quick_rows = rows[plan.quick].reshape(-1) if plan.quick else None  # [n_quick * L]
         top = self._quick_top1(hidden, rows, plan) if plan.quick else None
         logits = self.model.logits(hidden, rows[full]) if full else None  # [n_full, L, V]
-        keep = self.lev is not None and bool(plan.quick)
-        return Forward(top, logits, width, quick_hidden=hidden[quick_rows] if keep else None)
+        keep = self.lev is not None and bool(plan.quick)  # (the Levenshtein step's vocabulary rows on demand)
+        quick_hidden = hidden[rows[plan.quick].reshape(-1)] if keep else None  # [n_quick * L, H]
+        return Forward(top, logits, width, quick_hidden=quick_hidden)
 
     @torch.inference_mode()
     def decide(self, items: list[WorkItem], plan: ForwardPlan, fwd: Forward,
@@ -365,9 +365,9 @@ class ModelRunner:
 
     def top1(self, hidden: torch.Tensor, also: tuple[int, ...] = ()) -> Top1:
         """Each row's best token (MASK and `also` excluded, lowest id on ties) and its probability, from [R, H]
-        hidden states.
-        Compiled Triton on CUDA (one fused lm_head + reduction); the chunked torch path elsewhere, whose ids are
-        the full logits' (the Triton kernel accumulates in another order: see kernels/vocab_top1_triton.py)."""
+        hidden states. Compiled Triton on CUDA (one fused lm_head + reduction); the chunked torch path elsewhere,
+        whose ids are the full logits' (the Triton kernel accumulates in another order: see
+        kernels/vocab_top1_triton.py)."""
         weight = self.model.lm_head.weight  # [V, H]
         if self.device.type == "cuda" and self.model.kernel_backend == "triton" and hidden.dtype != torch.float64:
             from redraft.kernels.vocab_top1_triton import lm_head_top1_triton  # imports triton lazily
