@@ -227,6 +227,32 @@ def test_bench_gpu_step_smoke(tmp_path):
         with pytest.raises(SystemExit) as exc:
             bench.main(["--batches", "1"])
         assert "no CUDA device" in str(exc.value)
+    # found on the first GPU run: a prompt drew EOS (1), whose "+ 1" was MASK (2), and the engine refused it
+    avoid = {1, 2}
+    rng = torch.Generator().manual_seed(0)
+    ids = bench._prompt(rng, 20_000, 3, avoid)  # a vocabulary of 3: most draws hit an avoided id
+    assert ids and not set(ids) & avoid
+
+
+def test_a_second_cuda_engine_counts_freed_memory_as_free(monkeypatch):
+    """Found on the first GPU run: an engine made after another one was shut down in the same process was refused
+    a KV cache, because the first one's freed memory stays reserved by torch's caching allocator (and the device
+    reports it in use). That reserve is free to the new engine. (The CUDA calls are stood in for here.)"""
+    from redraft.engine import startup
+    from redraft.protocol.server_args import ServerArgs
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * gib, 80 * gib))  # 70 GiB in use ...
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 66 * gib)  # ... 66 of them reserved by us,
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 * gib)  # of which 2 GiB hold tensors
+    cfg = bench_module("bench_gpu_step").model_config("mini")
+    args = ServerArgs(device="cuda", dtype="bfloat16", mem_fraction_static=0.85)
+    per_token = startup.ModelRunner.kv_bytes_per_token(cfg, torch.bfloat16)
+    budget = int(80 * gib * 0.85) - (80 * gib - (10 + 64) * gib)  # in use: 6 GiB (70 - the 64 freed)
+    assert startup.default_kv_tokens(args, cfg) == budget // per_token
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 2 * gib)  # nothing freed: 70 GiB in use
+    with pytest.raises(ValueError, match="leaves no room for the KV cache .*max_total_tokens"):
+        startup.default_kv_tokens(args, cfg)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the real benchmark instead")
