@@ -88,6 +88,7 @@ def test_held_out_accuracy_per_family(engine, mode):
         assert sum(right) / len(right) >= 0.9
 
 
+@pytest.mark.slow
 def test_s_mode_fills_more_tokens_per_forward_than_q(engine):
     """S above Q overall. (Issue 14 also asks for S >= 1.5x Q on the multi-block families: the v2 model gives
     1.02x there, its tokens per forward hardly moving with the threshold; README, not asserted.)"""

@@ -256,6 +256,7 @@ def test_a_second_cuda_engine_counts_freed_memory_as_free(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the real benchmark instead")
+@pytest.mark.slow  # (a script check: ~10 s interpreted)
 def test_bench_gpu_step_dry_run(tmp_path):
     """The whole benchmark flow on CPU at the tiny shape (`--dry-run`): engine with dummy weights, decode batches
     reached through the scheduler, eager vs static-step timing and the replay == eager check, the attention

@@ -224,6 +224,7 @@ def test_tensor_parallel_ranks_leave_the_shutdown_to_the_http_process(ckpt, tmp_
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_second_signal_stops_at_once_and_kills_the_children(ckpt, tmp_path, scratch) -> None:
     srv = start(ckpt, tmp_path, scratch, "twice")
     pgid = srv.proc.pid
@@ -281,6 +282,7 @@ def test_no_restart_once_shutdown_has_begun(ckpt, tmp_path, scratch) -> None:
     assert not socket_dirs(scratch)
 
 
+@pytest.mark.slow
 def test_an_engine_death_during_the_drain_is_not_restarted(ckpt, tmp_path, scratch) -> None:
     srv = start(ckpt, tmp_path, scratch, "drain-death")
     pgid = srv.proc.pid

@@ -420,6 +420,7 @@ def test_layer_has_no_host_sync_on_meta(quantization, routing):
 # ---- the benchmark script -----------------------------------------------------------------------------
 @pytest.mark.skipif(DEVICE == "cuda", reason="the dry run interprets Triton on CPU tensors; a process that sees a GPU "
                     "compiles Triton instead (there the real benchmark runs: scripts/gpu_bringup.sh)")
+@pytest.mark.slow  # (a script check: ~14 s interpreted)
 def test_bench_moe_dry_run(tmp_path):
     from bench_scripts import bench_module
 
