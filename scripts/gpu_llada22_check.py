@@ -17,13 +17,12 @@ PROMPTS = [list(range(5, 5 + n)) for n in (7, 31, 32, 45)]
 def run(path: str, device: str, backend: str, decoder: str) -> list[tuple[list[int], int]]:
     import redraft
 
-    engine = redraft.Engine(path, device=device, dtype="float32", kernel_backend=backend, log_level="warning", max_total_tokens=16384,
-                            disable_cuda_graph=False)
+    engine = redraft.Engine(path, device=device, dtype="float32", kernel_backend=backend, log_level="warning",
+                            max_total_tokens=16384)
     params = [{"max_new_tokens": 64, "temperature": 0.0, "decoder": decoder, "ignore_eos": True}] * len(PROMPTS)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
-    got = [(o["output_ids"], o["meta_info"].get("steps", o["meta_info"].get("forwards"))) for o in outs]
-    engine.shutdown() if hasattr(engine, "shutdown") else None
-    return got
+    engine.shutdown()
+    return [(o["output_ids"], o["meta_info"]["steps"]) for o in outs]
 
 
 def main() -> int:
