@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from redraft.engine.engine import Engine
-from redraft.engine.tiny import make_tiny_checkpoint
+from redraft.engine.runtime.engine import Engine
+from redraft.engine.model.tiny import make_tiny_checkpoint
 
 VARIANTS = {"no flags": {}, "return_step_maps": {"return_step_maps": True}, "stream_denoise": {"stream_denoise": True}}
 

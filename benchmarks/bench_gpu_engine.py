@@ -5,7 +5,7 @@ from full logits against the fused lm_head + top-1 reduction, on one loaded mode
     python benchmarks/bench_gpu_engine.py --dry-run             # no GPU: the flow on CPU at the tiny shape
 
 Part 1 (overlap): each batch size runs `rounds` times with the serial loop and with the overlap scheduler
-(engine/overlap.py), alternating; batches up to --cuda-graph-max-bs replay CUDA graphs. Part 2 (decision): a batch
+(engine/runtime/overlap.py), alternating; batches up to --cuda-graph-max-bs replay CUDA graphs. Part 2 (decision): a batch
 above --cuda-graph-max-bs runs eagerly, so the decision can come from full [L, V] logits or from the fused
 reduction (kernels/vocab_top1_triton.py); alternating again. Random weights spread each proposal's probability
 over the whole vocabulary, so no threshold is met and every forward places one token per block: tokens per
@@ -28,7 +28,7 @@ from bench_gpu_step import write_model_dir  # noqa: E402
 
 
 def _set_overlap(engine, on: bool) -> None:
-    from redraft.engine.overlap import Overlap
+    from redraft.engine.runtime.overlap import Overlap
 
     core = engine.core
     core.overlap.settle()

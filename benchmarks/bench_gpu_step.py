@@ -59,7 +59,7 @@ MODEL_CONFIGS = {
 
 
 def _tiny_raw() -> dict:
-    from redraft.engine.tiny import TINY_CONFIG, TINY_TOKENIZER_VOCAB
+    from redraft.engine.model.tiny import TINY_CONFIG, TINY_TOKENIZER_VOCAB
 
     return {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", **TINY_CONFIG,
             "vocab_size": TINY_TOKENIZER_VOCAB, "torch_dtype": "float32"}
@@ -75,15 +75,15 @@ def _raw_config(name: str) -> dict:
 
 
 def model_config(name: str):
-    from redraft.engine.config import ModelConfig
+    from redraft.engine.model.config import ModelConfig
 
     return ModelConfig.from_dict(_raw_config(name))
 
 
 def write_model_dir(path: str | Path, name: str = "mini") -> Path:
     """config.json (the real shape) + the tiny tokenizer; no weights (load_format='dummy' draws them)."""
-    from redraft.engine.tiny import tiny_tokenizer
-    from redraft.engine.tokenizer import load_default_chat_template, save_pretrained_tokenizer
+    from redraft.engine.model.tiny import tiny_tokenizer
+    from redraft.engine.text.tokenizer import load_default_chat_template, save_pretrained_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -297,9 +297,9 @@ def build_engine(args, model_dir: Path, max_tokens: int):
               max_total_tokens=max_tokens, max_running_requests=max(args.batches),
               cuda_graph_max_bs=max(args.batches), chunked_prefill_size=max(args.prefill + [8192]) + 4 * BLOCK,
               progress=False)
-    engine = redraft.Engine(str(model_dir), **kw)  # dummy weights drawn on the GPU (engine/loader.py)
+    engine = redraft.Engine(str(model_dir), **kw)  # dummy weights drawn on the GPU (engine/model/loader.py)
     if args.dry_run:  # CPU: no CUDA graphs; run their static-buffer twin eagerly so the flow is the same
-        from redraft.engine.cuda_graphs import DecodeGraphs
+        from redraft.engine.runtime.cuda_graphs import DecodeGraphs
 
         engine.core.runner.graphs = DecodeGraphs(engine.core.runner, max(args.batches), capture=False)
     return engine
@@ -342,7 +342,7 @@ def _clear(engine) -> None:
 
 
 def bench_steps(engine, args, bw: float, cfg) -> list[dict]:
-    from redraft.engine.model_runner import build_forward_batch
+    from redraft.engine.runtime.model_runner import build_forward_batch
 
     runner = engine.core.runner
     graphs = runner.graphs

@@ -15,7 +15,7 @@ With --device cuda the model is LLaDA2.1-mini's shape with random weights (Trito
 largest batch), and each timed part synchronizes the device before and after, so the GPU time a part queued is
 counted in it (the forward of a replayed graph includes its lm_head).
 
-Part 2 (overlap): the same steady state with the overlap scheduler off and on (engine/overlap.py: forward k+1 runs
+Part 2 (overlap): the same steady state with the overlap scheduler off and on (engine/runtime/overlap.py: forward k+1 runs
 on a worker thread while the host updates, reports and schedules iteration k), alternating off/on for `rounds`
 rounds per batch size; the median step time of each setting over all its rounds' steps, the speed-up, and the
 share of forwards that ran overlapped. The engine's torch threads stay at one, so that the forward and the host
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from redraft.engine.engine import Engine
-from redraft.engine.tiny import make_tiny_checkpoint
+from redraft.engine.runtime.engine import Engine
+from redraft.engine.model.tiny import make_tiny_checkpoint
 from redraft.protocol.sampling_params import SamplingParams
 
 PARTS = ("forward", "decide", "schedule", "update", "outputs")
@@ -155,7 +155,7 @@ def overlap_table(path: Path, batches: list[int], steps: int, rounds: int) -> No
 
 _MEMORY_PROBE = r"""
 import sys, torch
-from redraft.engine.decoding import propose
+from redraft.engine.decoding.decoding import propose
 from redraft.kernels.vocab_top1 import lm_head_top1_torch
 torch.set_num_threads(1)
 mode, rows, hidden_size, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="servers per source, started in turn (before, after, before, ...) so drift hits both alike")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    from redraft.engine.tiny import make_tiny_checkpoint
+    from redraft.engine.model.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

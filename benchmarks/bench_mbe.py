@@ -26,7 +26,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
     import torch
 
     import redraft
-    from redraft.engine.tiny import make_tiny_checkpoint
+    from redraft.engine.model.tiny import make_tiny_checkpoint
 
     torch.set_num_threads(args.threads)
     rows = []
@@ -62,7 +62,7 @@ def accuracy(args: argparse.Namespace) -> dict:
 
     model = args.model
     if model is None:
-        from redraft.engine.model_path import BUNDLED_MODEL_DIR
+        from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
 
         model = str(BUNDLED_MODEL_DIR)
     modes = ["S", "S-W2", "S-W3", "Q", "Q-W2", "Q-W3"]

@@ -214,13 +214,13 @@ def bench_layer(cfg, args, bw: float) -> list[dict]:
 def build_engine(model_dir: Path, dtype: str, quantization: str | None, args, max_tokens: int):
     import redraft
 
-    # dummy weights are drawn on the GPU (engine/loader.py)
+    # dummy weights are drawn on the GPU (engine/model/loader.py)
     engine = redraft.Engine(str(model_dir), device=DEVICE.type, dtype=dtype, kernel_backend="triton",
                             quantization=quantization, load_format="dummy", seed=args.seed,
                             max_total_tokens=max_tokens, max_running_requests=1, cuda_graph_max_bs=1,
                             progress=False)
     if args.dry_run:  # CPU: the CUDA graph's static-buffer twin, run eagerly
-        from redraft.engine.cuda_graphs import DecodeGraphs
+        from redraft.engine.runtime.cuda_graphs import DecodeGraphs
 
         engine.core.runner.graphs = DecodeGraphs(engine.core.runner, 1, capture=False)
     return engine
@@ -232,7 +232,7 @@ def bench_step(args, cfg_name: str) -> list[dict]:
     gs.DEVICE = DEVICE
     rows = []
     dtype = "bfloat16" if DEVICE.type == "cuda" else "float32"
-    from redraft.engine.model_runner import build_forward_batch
+    from redraft.engine.runtime.model_runner import build_forward_batch
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = gs.write_model_dir(Path(tmp) / f"llada2.1-{cfg_name}-dummy", cfg_name)
@@ -270,7 +270,7 @@ def fp8_agreement(n_prompts: int = 32, max_new_tokens: int = 64, seed: int = 7, 
     import random
 
     import redraft
-    from redraft.engine.tiny import make_tiny_checkpoint
+    from redraft.engine.model.tiny import make_tiny_checkpoint
 
     if path is None:
         path = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny-seed0", seed=0)
@@ -324,8 +324,8 @@ def fp8_layer_errors(path: str | Path, prompts: list[list[int]]) -> list[dict]:
     """Every FP8 layer (attention qkv and o_proj, dense MLP, MoE with its shared expert) against the unquantised
     layer on the same real inputs: the fp32 model's own activations over `prompts` (one prefill forward each),
     fed to both. Per layer: cosine and relative L2 of the outputs over all tokens."""
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
     from redraft.kernels.attention import AttentionMetadata
 
     cfg = ModelConfig.from_pretrained(path)
@@ -374,8 +374,8 @@ def teacher_forced_agreement(path, prompts, outputs, mask_id: int, seed: int = 0
     """Per-decision agreement without the decoding cascade: the fp32 model's final sequences with a share of
     each generated block masked again (as during decoding), one forward each, and the argmax at the masked
     positions of bf16 / FP8 models against fp32's, with the logits' relative error (median)."""
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
     from redraft.kernels.attention import AttentionMetadata
 
     cfg = ModelConfig.from_pretrained(path)
@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads or min(4, torch.get_num_threads()))
         res = fp8_agreement(args.prompts, args.max_new_tokens, path=args.agreement_model)
         if args.agreement_model:  # per layer, on the model's own activations
-            from redraft.engine.tokenizer import Tokenizer
+            from redraft.engine.text.tokenizer import Tokenizer
             from redraft.training.tasks import eval_set, render_prompt
 
             tok = Tokenizer.from_pretrained(args.agreement_model)

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from redraft.engine.engine import Engine
-from redraft.engine.tiny import make_tiny_checkpoint
+from redraft.engine.runtime.engine import Engine
+from redraft.engine.model.tiny import make_tiny_checkpoint
 
 # ~50M parameters: the LLaDA2 shape at a width a CPU runs in seconds (weights random: load_format=dummy).
 SMALL_CONFIG = {

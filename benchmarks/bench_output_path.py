@@ -29,7 +29,7 @@ STOP = "\u2603never\u2603"
 
 
 def incremental(tok, ids: list[int], lps: list[float], tops: list, stop: list[str]) -> list[float]:
-    from redraft.engine.output_stream import OutputStream
+    from redraft.engine.text.output_stream import OutputStream
     from redraft.protocol.messages import RequestOutput
 
     stream = OutputStream("r", tok, stop)
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--window", type=int, default=16)
     args = p.parse_args(argv)
-    from redraft.engine.tiny import make_tiny_checkpoint
-    from redraft.engine.tokenizer import Tokenizer
+    from redraft.engine.model.tiny import make_tiny_checkpoint
+    from redraft.engine.text.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = Tokenizer.from_pretrained(make_tiny_checkpoint(Path(tmp) / "tiny", seed=0))

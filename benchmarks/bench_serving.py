@@ -253,7 +253,7 @@ def free_port() -> int:
 def prepare_checkpoint(args: argparse.Namespace, workdir: Path) -> tuple[str | None, str | None]:
     """(model dir, load format) for --tiny / --small; (None, None) otherwise."""
     if args.tiny or args.small:
-        from redraft.engine.tiny import make_tiny_checkpoint  # torch: only when we make a checkpoint
+        from redraft.engine.model.tiny import make_tiny_checkpoint  # torch: only when we make a checkpoint
 
         if args.tiny:
             return str(make_tiny_checkpoint(workdir / "tiny", seed=0)), None

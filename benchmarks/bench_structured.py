@@ -7,7 +7,7 @@ Demo model (the bundled one, or --model): held-out math problems asked for JSON 
 with the tools add / subtract (training/tasks.py, suite v3), decoded free and constrained (a `{"answer":
 integer}` schema; a forced call of one of the tools), in S and Q. Per setting: outputs that end by EOS, those
 that also are valid (parse and validate), right answers, tokens per forward, time per forward, and the grammar's host
-time per forward (the frontier sweep, engine/constrained.py) with its share of the step.
+time per forward (the frontier sweep, engine/decoding/constrained.py) with its share of the step.
 Tiny random model: every request runs to --new-tokens (ignore_eos) free, under an open-ended JSON array
 grammar, and under a regex, at batch 1 and --batch: the same figures against free decoding in one process.
 """
@@ -78,7 +78,7 @@ def demo(args: argparse.Namespace) -> list[dict]:
     import torch
 
     import redraft
-    from redraft.engine.grammar import tool_call_lark
+    from redraft.engine.text.grammar import tool_call_lark
     from redraft.training.tasks import MATH_TOOLS, eval_set, is_correct, render_prompt
 
     torch.set_num_threads(args.threads)
@@ -117,7 +117,7 @@ def tiny(args: argparse.Namespace) -> list[dict]:
     import torch
 
     import redraft
-    from redraft.engine.tiny import make_tiny_checkpoint
+    from redraft.engine.model.tiny import make_tiny_checkpoint
 
     torch.set_num_threads(args.threads)
     rows = []

@@ -9,7 +9,7 @@ weights in a fraction of a GPU's memory. Computed from a config alone (no weight
 The layout it assumes (the one docs/scaling.md describes): attention heads split over the TP ranks (KV heads
 too; with more ranks than KV heads each rank keeps one KV head, replicated), the dense MLP and the shared expert
 split column/row-wise, routed experts placed whole (EP = TP), embedding and lm_head vocabulary-parallel when TP
-divides the vocabulary (replicated otherwise), norms and the router replicated (engine/sharding.py). FP8 is
+divides the vocabulary (replicated otherwise), norms and the router replicated (engine/model/sharding.py). FP8 is
 W8A8 block FP8 as redraft's Fp8Linear: every projection and expert weight at 1 byte plus one fp32 scale per
 128 x 128 block; embeddings, lm_head, norms and the router stay bf16/fp32.
 """
@@ -158,10 +158,10 @@ def _load_rank0(path: str, tp: int, dtype: str, out: Any) -> None:
     """In a fresh process: load rank 0's shard; report its weight bytes and the process's peak memory."""
     import time
 
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
-    from redraft.engine.sharding import RankLayout
-    from redraft.engine.tensor_parallel import peak_memory_bytes, weight_bytes
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
+    from redraft.engine.model.sharding import RankLayout
+    from redraft.engine.model.tensor_parallel import peak_memory_bytes, weight_bytes
 
     before = peak_memory_bytes("cpu")  # torch and redraft imported, nothing loaded
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ Formats (the same whether the weights were quantised at load or came from an FP8
     Activations are quantised on the fly per token per 128-channel group along K: scale = amax / 448
     (amax floored at ACT_EPS), q = clamp(x / scale, -448, 448) rounded to e4m3 (nearest even).
 
-What is quantised (engine/fp8_model.py `convert_model_fp8`): attention qkv and output projections, the dense SwiGLU, the routed
+What is quantised (engine/model/fp8_model.py `convert_model_fp8`): attention qkv and output projections, the dense SwiGLU, the routed
 experts and the shared expert. Embeddings, lm_head, norms and the router stay in the model dtype.
 
 Torch twins (`fp8_linear_torch`, `moe_experts_fp8_torch`) quantise activations exactly as the kernels do and

@@ -45,7 +45,7 @@ class AbortReq:
 
 @dataclass
 class ScoreReq:
-    """Run masked variants of blocks and read log-probabilities (engine/likelihood.py plans them)."""
+    """Run masked variants of blocks and read log-probabilities (engine/text/likelihood.py plans them)."""
 
     token: str
     sequences: list[list[int]]

@@ -140,7 +140,7 @@ class SamplingParams:
     domain: str | None = None
     logprobs: bool = False  # per-token logprobs (of the forward that last saw each block)
     top_logprobs: int = 0  # and the top alternatives at each position, 0..20
-    # Logit controls (engine/logit_controls.py defines them for block diffusion)
+    # Logit controls (engine/decoding/logit_controls.py defines them for block diffusion)
     stutter_penalty: float = 0.0  # >= 0: lowers the logit of the token the previous position holds
     frequency_penalty: float = 0.0  # -2..2, per occurrence in the committed output (OpenAI)
     presence_penalty: float = 0.0  # -2..2, once per token present in the committed output (OpenAI)
@@ -151,7 +151,7 @@ class SamplingParams:
     no_stop_trim: bool = False  # keep the matched stop string at the end of the text
     skip_special_tokens: bool = True  # False: special tokens appear in the text
     # Structured output (SGLang's names, plus llguidance's Lark), at most one: the output must match it
-    # (engine/constrained.py). json_schema: the schema as JSON text (an object is accepted and serialised).
+    # (engine/decoding/constrained.py). json_schema: the schema as JSON text (an object is accepted and serialised).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None  # GBNF, as SGLang and llama.cpp write it
@@ -322,7 +322,7 @@ class ResolvedParams:
     grammar: tuple[str, str] | None = None  # (constraint field, source): structured output
     stream_denoise: bool = False  # an event per forward (scheduler/denoise_trace.py)
     return_step_maps: bool = False  # meta_info.step_maps
-    decoder: str = "threshold"  # "levenshtein": LLaDA2.2's insert/delete step (engine/levenshtein.py)
+    decoder: str = "threshold"  # "levenshtein": LLaDA2.2's insert/delete step (engine/decoding/levenshtein.py)
     steps: int = 32
     max_steps_per_block: int = 1000
 

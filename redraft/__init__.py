@@ -8,7 +8,7 @@ __all__ = ["Engine", "__version__"]
 def __getattr__(name: str):
     # Lazy so that `import redraft.scheduler` (torch-free) never pulls in torch.
     if name == "Engine":
-        from redraft.engine.engine import Engine
+        from redraft.engine.runtime.engine import Engine
 
         return Engine
     raise AttributeError(name)

@@ -74,7 +74,7 @@ def engine_args(args: argparse.Namespace) -> "ServerArgs":
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from redraft.engine.engine import Engine
+    from redraft.engine.runtime.engine import Engine
 
     engine = Engine(server_args=engine_args(args))
     if args.raw:
@@ -118,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from redraft.engine.tiny import make_tiny_checkpoint
+    from redraft.engine.model.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(args.out, seed=args.seed, dtype=args.dtype, shards=args.shards, llada22=args.llada22)
     print(f"wrote a tiny random LLaDA2{'.2' if args.llada22 else ''} checkpoint to {path}")

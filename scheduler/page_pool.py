@@ -2,7 +2,7 @@
 
 A page holds the K/V of exactly one 32-token block (see design.md). The pool only does the bookkeeping of which
 page ids are in use; the engine owns the tensors the ids index into (with one more page beyond the pool's, the
-scratch page that padded batch rows write to: engine/model_runner.py). Torch-free on purpose.
+scratch page that padded batch rows write to: engine/runtime/model_runner.py). Torch-free on purpose.
 """
 
 from __future__ import annotations

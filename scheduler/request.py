@@ -149,7 +149,7 @@ class DecodeState:
     trace: DenoiseTrace | None = None
     output_end: int = 2**62  # set when a stop token ends the request: the output ends right after it
     output_limit: int | None = None  # a cut of the output set by an abort (a stop string the consumer matched)
-    # Structured output: the engine's grammar state (engine/constrained.py Constraint), None when unconstrained.
+    # Structured output: the engine's grammar state (engine/decoding/constrained.py Constraint), None when unconstrained.
     # Opaque here: its frontier never passes a mask, so a block that ends mask-free has been validated whole.
     constraint: object | None = None
 
@@ -274,7 +274,7 @@ class Request(RequestInputs):
 
     def begin_constraint(self) -> None:
         """Structured output, before the block's first forward: the grammar restarts at the block and writes the
-        tokens it forces into the window (engine/constrained.py `Constraint.begin_block`)."""
+        tokens it forces into the window (engine/decoding/constrained.py `Constraint.begin_block`)."""
         s, b = self.state, self.block_size
         s.constraint.begin_block(s.tokens, s.active_block * b, (s.active_block + 1) * b)  # type: ignore[union-attr]
 

@@ -125,7 +125,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._free_slots = list(range(config.max_running_requests - 1, -1, -1))  # the model runner's rows
         self.num_preemptions = 0
-        self.fault_hook = None  # tests only: fault_hook(stage, rid) may raise (engine/faults.py)
+        self.fault_hook = None  # tests only: fault_hook(stage, rid) may raise (engine/runtime/faults.py)
         # Whether pages are held outside the requests now (alloc_pages' callers: the engine's likelihood jobs);
         # while they are, a request that does not fit waits for them instead of failing.
         self.pages_held_elsewhere: Callable[[], bool] = lambda: False

@@ -29,7 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-only", action="store_true")
     args = ap.parse_args()
-    from redraft.engine.tiny import make_tiny_checkpoint
+    from redraft.engine.model.tiny import make_tiny_checkpoint
 
     path = str(make_tiny_checkpoint(tempfile.mkdtemp() + "/tiny22", llada22=True))
     bad = 0

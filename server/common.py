@@ -17,9 +17,9 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from redraft.engine.grammar_sandbox import GrammarSandbox
-from redraft.engine.output_stream import OutputStream
-from redraft.engine.tokenizer import Tokenizer
+from redraft.engine.text.grammar_sandbox import GrammarSandbox
+from redraft.engine.text.output_stream import OutputStream
+from redraft.engine.text.tokenizer import Tokenizer
 from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, GenerateReq, RequestOutput
 from redraft.protocol.sampling_params import SamplingParams

@@ -1,5 +1,5 @@
 """The HTTP side of watching the decoding (docs/denoise.md): forward events in each route's stream, step maps in
-each route's answer. The events come built (engine/denoise_trace.py `text_event`, through OutputStream); this
+each route's answer. The events come built (engine/decoding/denoise_trace.py `text_event`, through OutputStream); this
 module only places them: a named SSE event on /generate, an extra chunk whose `diffusion` field holds the event
 on the OpenAI streams (the SDK keeps unknown fields as attributes; the chunk's delta is empty, so content is
 unchanged for a client that ignores it)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from redraft.engine.output_stream import OutputStream
+from redraft.engine.text.output_stream import OutputStream
 
 
 def denoise_sse(event: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """Likelihood routes (docs/likelihood.md): `/score` (block ELBO, staircase or exact terms for RL trainers), the
 prompt log-probabilities behind `echo` on /v1/completions and SGLang's `input_token_logprobs` on /generate, and
 the tokenizer routes lm-evaluation-harness's remote tokenizer reads (`/tokenize`, `/detokenize`,
-`/tokenizer_info`, in vLLM's shapes). The HTTP process plans the masked variants (engine/likelihood.py,
+`/tokenizer_info`, in vLLM's shapes). The HTTP process plans the masked variants (engine/text/likelihood.py,
 torch-free); the engine runs them."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from redraft.engine.likelihood import (
+from redraft.engine.text.likelihood import (
     MAX_VARIANTS, elbo_plan, fill_terms, min_variants, staircase_values, staircase_variants,
 )
-from redraft.engine.tokenizer import ChatTemplateError
+from redraft.engine.text.tokenizer import ChatTemplateError
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.server.common import ServerState, check_model, engine_error, run_until_disconnect

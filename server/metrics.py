@@ -158,7 +158,7 @@ class ServerMetrics:
         self.edits = counter("redraft:edits", "Token-to-token edits (T2T) of finished requests.")
         self.mbe_edits = counter("redraft:mbe_edits", "T2T edits of finished requests that landed in an open block "
                                  "before the active one (multi-block editing).")
-        # structured output (engine/constrained.py), from finished constrained requests
+        # structured output (engine/decoding/constrained.py), from finished constrained requests
         self.constrained = counter("redraft:constrained_requests", "Finished requests whose output a grammar "
                                    "constrained (json_schema, regex, ebnf, lark, forced tool calls).")
         self.grammar_rejected = counter("redraft:grammar_rejected_tokens", "Tokens the model placed that the "

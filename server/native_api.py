@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from redraft.engine.output_stream import OutputStream
+from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.common import (RETRY_AFTER, ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,

@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from redraft.engine.output_stream import OutputStream
-from redraft.engine.tokenizer import ChatTemplateError
+from redraft.engine.text.output_stream import OutputStream
+from redraft.engine.text.tokenizer import ChatTemplateError
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.denoise import chat_event_chunk, completion_event_chunk, step_maps

@@ -260,7 +260,7 @@ class _Common(Strict):
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
     ignore_eos: bool = False
-    # logit controls (engine/logit_controls.py); the last three are vLLM's / SGLang's, sent through extra_body
+    # logit controls (engine/decoding/logit_controls.py); the last three are vLLM's / SGLang's, sent through extra_body
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=300)

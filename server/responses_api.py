@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, model_validator
 
-from redraft.engine.output_stream import OutputStream
+from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
 from redraft.server.common import ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect
 from redraft.server.dials import DIALS

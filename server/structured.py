@@ -1,7 +1,7 @@
 """Structured output on the OpenAI routes: `response_format`, the `regex` / `ebnf` / `lark` extras and a forced
-`tool_choice` become one constraint field of SamplingParams (the engine decodes it: engine/constrained.py).
+`tool_choice` become one constraint field of SamplingParams (the engine decodes it: engine/decoding/constrained.py).
 A constraint that does not compile is a 400 naming the request field that holds it, before any work. Every
-constraint, on every route, is checked by the grammar sandbox (engine/grammar_sandbox.py: worker processes, as
+constraint, on every route, is checked by the grammar sandbox (engine/text/grammar_sandbox.py: worker processes, as
 native code may crash on a hostile grammar), never compiled in this process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import logging
 from typing import Any
 
-from redraft.engine.grammar import GrammarError, parse_schema, tool_call_lark
+from redraft.engine.text.grammar import GrammarError, parse_schema, tool_call_lark
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.server.common import ServerState

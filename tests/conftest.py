@@ -37,7 +37,7 @@ def _one_torch_thread() -> Iterator[None]:
 # ---- tiny checkpoints ------------------------------------------------------------------------------------------
 def _tiny_module() -> ModuleType:
     # imported when first asked for, so collecting tests that never build a checkpoint stays as light as before
-    from redraft.engine import tiny
+    from redraft.engine.model import tiny
 
     return tiny
 
@@ -147,7 +147,7 @@ class TinyCheckpoints:
 def tiny_checkpoint(request: pytest.FixtureRequest,
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyCheckpoint]:
     """`tiny_checkpoint(seed=0, **options)` -> the path of a tiny random checkpoint built by
-    redraft.engine.tiny.make_tiny_checkpoint with those arguments (dtype, shards, config_overrides, llada22: a
+    redraft.engine.model.tiny.make_tiny_checkpoint with those arguments (dtype, shards, config_overrides, llada22: a
     LLaDA2.2 checkpoint with DELETE/SPLIT and block routing), read-only.
 
     Built once per options and session, kept across runs in pytest's cache folder (`--cache-clear` empties it;

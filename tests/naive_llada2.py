@@ -3,7 +3,7 @@
 This file is what the engine is tested against. It shares no code with `redraft` (only torch,
 safetensors and json) and favours "obviously right" over fast: every forward recomputes the whole
 sequence, there is no cache, no batching, no fused op. Spec: the LLaDA2.1 tech report and model cards (the
-forward pass and the official generate() loop; engine/decoding.py's docstring restates the loop); for LLaDA2.2's
+forward pass and the official generate() loop; engine/decoding/decoding.py's docstring restates the loop); for LLaDA2.2's
 block routing (`expert_capacity` in config.json), the LLaDA2.2 page's "Block routing".
 
 Decisions taken where the facts leave room (the lead's choices, keep them in step with the engine):

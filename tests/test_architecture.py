@@ -46,7 +46,7 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
 
 
 def part_of(module: str) -> str | None:
-    """'redraft.engine.model' -> 'engine'; 'redraft' -> 'redraft'; anything outside redraft -> None."""
+    """'redraft.engine.model.model' -> 'engine'; 'redraft' -> 'redraft'; anything outside redraft -> None."""
     bits = module.split(".")
     if bits[0] != "redraft":
         return None

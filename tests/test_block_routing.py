@@ -25,8 +25,8 @@ import torch
 from naive_llada2 import NaiveLLaDA2, block_route, naive_generate, naive_mbe_generate, route
 
 import redraft
-from redraft.engine.config import ModelConfig
-from redraft.engine.loader import load_model
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.model.loader import load_model
 from redraft.kernels.attention import AttentionMetadata
 from redraft.kernels.moe import route_blocks_torch, routing_blocks
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from redraft.engine.tokenizer import (ChatTemplateError, Tokenizer, load_default_chat_template,
+from redraft.engine.text.tokenizer import (ChatTemplateError, Tokenizer, load_default_chat_template,
                                       render_chat_template, save_pretrained_tokenizer)
 from redraft.training.bpe import build_bpe_tokenizer
 
@@ -185,7 +185,7 @@ def test_missing_template_is_a_clear_error(tok: Tokenizer) -> None:
 
 
 def test_template_file_is_package_data() -> None:
-    path = resources.files("redraft.engine") / "templates" / "llada2_chat.jinja"
+    path = resources.files("redraft.engine.text") / "templates" / "llada2_chat.jinja"
     assert path.is_file()
     assert path.read_text(encoding="utf-8") == load_default_chat_template()
 
@@ -233,7 +233,7 @@ def test_message_text_never_becomes_special_tokens(tok) -> None:
 
 
 def test_a_template_that_cuts_the_text_is_refused(tok) -> None:
-    from redraft.engine.tokenizer import ChatTemplateError, Tokenizer
+    from redraft.engine.text.tokenizer import ChatTemplateError, Tokenizer
 
     cutting = Tokenizer(tok.backend, {**tok.config, "chat_template":
                                       "{% for m in messages %}{{ m['content'][:3] }}{% endfor %}"})

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from live_server import RedraftServer
-from redraft.engine.tokenizer import Tokenizer
+from redraft.engine.text.tokenizer import Tokenizer
 from redraft.protocol.sampling_params import PRESETS, Defaults, SamplingParams, resolve
 
 GEN = Defaults(threshold=0.95, edit_threshold=0.05, max_post_steps=1, temperature=0.0, max_new_tokens=40)

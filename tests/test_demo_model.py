@@ -13,9 +13,9 @@ import openai
 import pytest
 
 import redraft
-import redraft.engine.tokenizer
+import redraft.engine.text.tokenizer
 from live_server import RedraftServer
-from redraft.engine.model_path import BUNDLED_MODEL_DIR
+from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
 from redraft.training.evaluate import model_suite
 from redraft.training.tasks import (SUITES, eval_set, is_correct, make_chat, make_code, make_count, make_json,
                                     make_math, make_repeat, make_reverse, make_sort, make_tool, render_prompt,
@@ -152,7 +152,7 @@ def test_fp8_layers_on_real_activations():
 
     fp8_layer_errors = bench_module("bench_moe").fp8_layer_errors
 
-    eng_tok = redraft.engine.tokenizer.Tokenizer.from_pretrained(BUNDLED_MODEL_DIR)
+    eng_tok = redraft.engine.text.tokenizer.Tokenizer.from_pretrained(BUNDLED_MODEL_DIR)
     prompts = [eng_tok.encode(render_prompt(ex, eng_tok)) for ex in eval_set(seed=7, per_family=2)]
     rows = fp8_layer_errors(BUNDLED_MODEL_DIR, prompts)
     assert {r["kind"] for r in rows} >= {"Fp8Linear", "Fp8DenseMLP", "MoE"}

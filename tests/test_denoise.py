@@ -195,7 +195,7 @@ def test_preemption_rolls_the_maps_back_and_renumbers_the_forwards(ckpt: Path, t
 def test_without_the_flags_nothing_more_is_read_or_recorded(tiny, monkeypatch) -> None:
     """No stream_denoise row in a batch: the step's device read has no confidence columns (denoise_columns is never
     called) and no request holds a recorder."""
-    import redraft.engine.model_runner as runner_module
+    import redraft.engine.runtime.model_runner as runner_module
     from redraft.scheduler.request import Request
 
     def refuse(*_: object) -> None:
@@ -213,7 +213,7 @@ def test_without_the_flags_nothing_more_is_read_or_recorded(tiny, monkeypatch) -
 def test_an_aborted_request_ends_its_events_on_what_it_committed(tiny) -> None:
     """The engine ends a request mid-decoding (/abort_request, a client gone): its events still number every
     forward it ran, and the last one's committed text is the aborted answer's."""
-    from redraft.engine.output_stream import OutputStream
+    from redraft.engine.text.output_stream import OutputStream
     from redraft.protocol.sampling_params import SamplingParams
 
     core = tiny.core

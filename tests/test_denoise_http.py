@@ -29,8 +29,8 @@ COUNT = "Count from 310 to 345."  # the demo model counts with edits along the w
 @pytest.fixture(scope="module")
 def count_text() -> str:
     """COUNT as /generate's raw text: through the demo model's chat template."""
-    from redraft.engine.model_path import BUNDLED_MODEL_DIR
-    from redraft.engine.tokenizer import Tokenizer
+    from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+    from redraft.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(BUNDLED_MODEL_DIR)
     return tok.apply_chat_template([{"role": "user", "content": COUNT}], add_generation_prompt=True)

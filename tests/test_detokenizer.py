@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from redraft.engine.tokenizer import Tokenizer
-from redraft.engine.detokenizer import StreamingDetokenizer
+from redraft.engine.text.tokenizer import Tokenizer
+from redraft.engine.text.detokenizer import StreamingDetokenizer
 
 
 @pytest.fixture(scope="module")

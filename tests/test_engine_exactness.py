@@ -5,7 +5,7 @@ of forwards, for prompts that end mid-block, on a block boundary or span several
 tokens, in modes S and Q, with custom thresholds and max_post_steps 0 / 1, and when EOS stops generation.
 Batching must not change any request's output (temperature 0, and seeded sampling). A float32 run is
 compared with the naive reference in float32 too. The main cases run with the overlap scheduler on
-(`enable_overlap`) and off (the default; `disable_overlap` here, engine/overlap.py): both must equal the
+(`enable_overlap`) and off (the default; `disable_overlap` here, engine/runtime/overlap.py): both must equal the
 reference (the overlap-on half in the slow suite: the scheduler is opt-in).
 """
 
@@ -22,7 +22,7 @@ import torch
 from naive_llada2 import NaiveLLaDA2, naive_generate
 
 import redraft
-from redraft.engine.tokenizer import Tokenizer
+from redraft.engine.text.tokenizer import Tokenizer
 
 SEEDS = (0, 1, 2)
 PRESETS = {"S": (0.5, 0.0, 16), "Q": (0.7, 0.5, 16)}  # model card: threshold, edit_threshold, max_post_steps

@@ -22,7 +22,7 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import redraft  # noqa: E402
-from redraft.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from redraft.engine.runtime.cuda_graphs import DecodeGraphs  # noqa: E402
 from redraft.kernels.moe import moe_experts_torch  # noqa: E402
 from bench_scripts import bench_module, bench_script  # noqa: E402
 
@@ -181,7 +181,7 @@ def test_captured_forward_has_no_host_sync_on_meta():
     from types import SimpleNamespace
 
     model_config = bench_module("bench_gpu_step").model_config
-    from redraft.engine.loader import build_model
+    from redraft.engine.model.loader import build_model
 
     cfg = model_config("mini")
     model = build_model(cfg, torch.bfloat16, "meta")  # no memory: meta tensors have shapes only
@@ -205,8 +205,8 @@ def test_captured_forward_has_no_host_sync_on_meta():
 # ---- the GPU benchmark script: what can be checked without a GPU ---------------------------------------
 def test_bench_gpu_step_smoke(tmp_path):
     bench = bench_module("bench_gpu_step")
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.tokenizer import Tokenizer
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.text.tokenizer import Tokenizer
 
     cfg = bench.model_config("mini")
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -238,7 +238,7 @@ def test_a_second_cuda_engine_counts_freed_memory_as_free(monkeypatch):
     """Found on the first GPU run: an engine made after another one was shut down in the same process was refused
     a KV cache, because the first one's freed memory stays reserved by torch's caching allocator (and the device
     reports it in use). That reserve is free to the new engine. (The CUDA calls are stood in for here.)"""
-    from redraft.engine import startup
+    from redraft.engine.runtime import startup
     from redraft.protocol.server_args import ServerArgs
 
     gib = 2**30

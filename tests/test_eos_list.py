@@ -17,7 +17,7 @@ import pytest
 
 import redraft
 from live_server import RedraftServer
-from redraft.engine.tokenizer import Tokenizer, generation_eos_ids
+from redraft.engine.text.tokenizer import Tokenizer, generation_eos_ids
 
 PROMPT_TEXT = "The quick brown fox"
 PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "mode": "S"}

@@ -185,9 +185,9 @@ def write_deepseek_fp8(src: Path, dst: Path) -> Path:
     everything else as it was, and quantization_config in config.json."""
     from safetensors.torch import load_file, save_file
 
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.fp8_model import fp8_segment_rows
-    from redraft.engine.loader import expected_tensors
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.fp8_model import fp8_segment_rows
+    from redraft.engine.model.loader import expected_tensors
 
     shutil.copytree(src, dst)
     cfg = ModelConfig.from_pretrained(src)
@@ -210,8 +210,8 @@ def write_deepseek_fp8(src: Path, dst: Path) -> Path:
 
 
 def test_deepseek_fp8_checkpoint_loads_like_quantize_at_load(tiny, tmp_path):
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
 
     ckpt = write_deepseek_fp8(tiny, tmp_path / "tiny-fp8")
     cfg8 = ModelConfig.from_pretrained(ckpt)
@@ -248,8 +248,8 @@ def test_fp8_checkpoint_engine_tokens_equal_quantize_at_load(tiny, tmp_path):
 def test_fp8_checkpoint_errors(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import CheckpointError, load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import CheckpointError, load_model
 
     ckpt = write_deepseek_fp8(tiny, tmp_path / "tiny-fp8")
     f = next(ckpt.glob("*.safetensors"))
@@ -314,8 +314,8 @@ def test_fp8_layer_routes_by_block(tiny_checkpoint, backend):
     shared expert."""
     from naive_llada2 import block_route
 
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
     from redraft.kernels.moe import routing_blocks
 
     path = tiny_checkpoint(seed=0, config_overrides={"expert_capacity": 3})
@@ -357,8 +357,8 @@ def test_unknown_quantization_is_refused(tiny):
 
 def test_dummy_weights_fp8(tiny):
     """load_format="dummy" with quantization="fp8": random full-precision weights quantised into the blocks."""
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
 
     model = load_model(tiny, ModelConfig.from_pretrained(tiny), load_format="dummy", quantization="fp8")
     moe = model.layers[1].mlp
@@ -371,8 +371,8 @@ def test_dummy_weights_fp8(tiny):
 def test_dummy_weights_drawn_on_the_device_fill_every_parameter(tiny):
     """The GPU path of load_format="dummy" (drawn where the model lives, e4m3 experts one at a time), run here on
     CPU: every parameter is overwritten, every expert's blocks get scales, weights ~ N(0, 0.02)."""
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import _init_dummy_on_device, load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import _init_dummy_on_device, load_model
 
     model = load_model(tiny, ModelConfig.from_pretrained(tiny), load_format="dummy", quantization="fp8")
     with torch.no_grad():

@@ -2,7 +2,7 @@
 (an error finish; the others' tokens are those of a run without it; the engine process lives on), and likelihood
 work is a job the loop advances in bounded chunks between decoding iterations, dropped when its client leaves.
 
-Failures are injected at each stage: in-process by setting the core's FaultInjector (engine/faults.py), through a
+Failures are injected at each stage: in-process by setting the core's FaultInjector (engine/runtime/faults.py), through a
 live server by REDRAFT_FAULT_INJECT (read once at engine start)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 import redraft
-from redraft.engine.faults import FaultInjector, InjectedFault
-from redraft.engine.likelihood import staircase_variants
+from redraft.engine.runtime.faults import FaultInjector, InjectedFault
+from redraft.engine.text.likelihood import staircase_variants
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams
 from tests.live_server import RedraftServer, assert_error_shape
@@ -99,7 +99,7 @@ def test_the_engine_keeps_serving_after_failures(engine, alone) -> None:
 def test_a_forward_that_fails_for_every_request_alike_is_an_engine_fault(engine) -> None:
     """What fails for every request on its own is no request's fault: it propagates (the process then exits and
     the HTTP side restarts it) instead of failing the requests one by one forever."""
-    from redraft.engine.core import EngineFault
+    from redraft.engine.runtime.core import EngineFault
 
     core = engine.core
     core.faults = core.runner.faults = core.scheduler.fault_hook = FaultInjector([("forward", "")])

@@ -1,4 +1,4 @@
-"""LLaDA2.2's Levenshtein step (engine/levenshtein.py) against the scalar reference (tests/naive_llada22.py):
+"""LLaDA2.2's Levenshtein step (engine/decoding/levenshtein.py) against the scalar reference (tests/naive_llada22.py):
 the structural scan on hand-made and random blocks, and whole blocks of iterations on synthetic logits, several
 rows batched with different settings, ties included, and logits built to loop (the anti-loop escape)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from naive_llada22 import Block, Counts, Settings, structural_scan
-from redraft.engine.levenshtein import LevenshteinSlots, StructuralIds, logits_at_of, structural_scan as batched_scan
+from redraft.engine.decoding.levenshtein import LevenshteinSlots, StructuralIds, logits_at_of, structural_scan as batched_scan
 
 M, D, S = 5, 6, 7  # MASK, DELETE, SPLIT in the synthetic vocabulary of 8 ids
 IDS = StructuralIds(mask=M, delete=D, split=S)

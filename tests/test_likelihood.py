@@ -1,4 +1,4 @@
-"""Likelihoods (engine/likelihood.py, docs/likelihood.md) against an independent naive implementation: full
+"""Likelihoods (engine/text/likelihood.py, docs/likelihood.md) against an independent naive implementation: full
 recompute, the block-causal mask, MASK excluded, in float64 on a tiny random checkpoint."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from naive_llada2 import block_causal_mask
 from test_engine_exactness import Tiny, TinyCache, tinies  # noqa: F401 - fixture
 
-from redraft.engine.likelihood import elbo_plan, timesteps, uniform
+from redraft.engine.text.likelihood import elbo_plan, timesteps, uniform
 
 B = 32
 
@@ -34,7 +34,7 @@ def naive_staircase(t: Tiny, seq: list[int], pos: int) -> float:
 
 
 def test_the_mask_hash_is_the_samplers() -> None:
-    from redraft.engine.decoding import uniform_noise
+    from redraft.engine.decoding.decoding import uniform_noise
 
     seeds = torch.tensor([0, 7, 2**40 + 3, -5])
     positions = torch.tensor([[0, 1, 31, 1000]] * 4)

@@ -329,7 +329,7 @@ def test_a_failed_batch_restarts_levenshtein_blocks_from_their_entry(t22: Cache)
     """A forward that fails for one request mid-way through another's block: the batch is rerun in halves, the
     Levenshtein row (whose step state lives on the device only) restarts its block from its entry, and its
     tokens and forward count are still the definition's."""
-    from redraft.engine.faults import FaultInjector
+    from redraft.engine.runtime.faults import FaultInjector
     from redraft.protocol.sampling_params import SamplingParams
 
     t = t22[2]
@@ -402,7 +402,7 @@ def test_generate_command(t22: Cache, capsys: pytest.CaptureFixture) -> None:
 
 @pytest.mark.parametrize("kv_tokens", [None, 6 * B], ids=["roomy", "preempted"])
 def test_exact_with_the_overlap_scheduler(t22: Cache, kv_tokens: int | None) -> None:
-    """The overlap scheduler (engine/overlap.py) on Levenshtein and 2.1-step rows of one batch: the definition's
+    """The overlap scheduler (engine/runtime/overlap.py) on Levenshtein and 2.1-step rows of one batch: the definition's
     ids and forwards, with speculative forwards actually used (and, with a tiny KV pool, preemption)."""
     t = t22[1]
     prompts, params = _mixed(t)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from redraft.engine.config import ModelConfig
-from redraft.engine.loader import CheckpointError, expected_tensors, load_model
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.model.loader import CheckpointError, expected_tensors, load_model
 
 
 @pytest.fixture(scope="module")

@@ -40,10 +40,10 @@ def test_mini_matches_its_published_size_and_ranks_split_it() -> None:
 def test_the_plan_is_what_a_rank_loads(tiny_checkpoint) -> None:
     """Weights per rank in the plan == the bytes a rank of that layout holds once loaded (bf16, EP = TP)."""
     from redraft.clients.memory_plan import GIB
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
-    from redraft.engine.sharding import RankLayout
-    from redraft.engine.tensor_parallel import weight_bytes
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
+    from redraft.engine.model.sharding import RankLayout
+    from redraft.engine.model.tensor_parallel import weight_bytes
 
     path = tiny_checkpoint(seed=0)
     cfg_json = json.loads((path / "config.json").read_text())
@@ -70,7 +70,7 @@ def test_the_22_flash_preset_is_a_valid_block_routing_config() -> None:
     """LLaDA2.2-flash (the LLaDA2.2 page's values): a config redraft loads as block routing, 2.1-flash's weights
     (block routing adds no parameter), and full-context requests counted from the KV room of each layout."""
     from redraft.clients.memory_plan import context_line
-    from redraft.engine.config import ModelConfig
+    from redraft.engine.model.config import ModelConfig
 
     flash22, flash21 = PRESETS["LLaDA2.2-flash"], PRESETS["LLaDA2.1-flash"]
     cfg = ModelConfig.from_dict({**flash22, "intermediate_size": 9216})

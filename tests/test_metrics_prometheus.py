@@ -372,7 +372,7 @@ def test_collector_labels_and_per_block_figures():
     text = m.render().decode()
     assert set(re.findall(r'domain="([^"]*)"', text)) == {"code", "math", "other"}
     assert "_created" not in text
-    # structured output: a constrained request's grammar figures (engine/constrained.py GrammarStats)
+    # structured output: a constrained request's grammar figures (engine/decoding/constrained.py GrammarStats)
     assert _value(m, "redraft:constrained_requests_total", **s) == 0
     m.on_submit("g", SamplingParams(mode="S", domain="math", regex="[0-9]+"))
     m.on_message(Accepted("g", "S", 64))

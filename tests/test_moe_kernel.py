@@ -315,8 +315,8 @@ def test_block_routing_model_on_triton_equals_torch(tiny_checkpoint):
     fp32 rounding, and every MoE layer's inputs route to the same experts on both (so the small GEMM-order
     differences never flipped a choice: the comparison is at equal routing; the Triton router itself is checked
     against the torch one above); each request's logits are the float32 naive model's on that request alone."""
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
     from redraft.kernels.attention import AttentionMetadata
     from redraft.kernels.moe import route_layer_torch
 
@@ -355,8 +355,8 @@ def test_block_routing_model_on_triton_equals_torch(tiny_checkpoint):
 def test_set_moe_experts_replaces_the_layer_impl(tiny):
     """model.set_moe_experts(fn) (what test_engine_triton uses to isolate attention) takes precedence over the
     fused layer; set_kernel_backend puts the fused layer back."""
-    from redraft.engine.config import ModelConfig
-    from redraft.engine.loader import load_model
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
     from redraft.kernels.moe_triton import moe_forward_triton
 
     model = load_model(tiny, ModelConfig.from_pretrained(tiny), progress=False)
@@ -381,8 +381,8 @@ def test_layer_has_no_host_sync_on_meta(quantization, routing):
     from types import SimpleNamespace
 
     from bench_scripts import bench_module
-    from redraft.engine.cuda_graphs import DecodeGraphs
-    from redraft.engine.loader import build_model
+    from redraft.engine.runtime.cuda_graphs import DecodeGraphs
+    from redraft.engine.model.loader import build_model
 
     record_launches = bench_module("bench_moe").record_launches
     cfg = bench_module("bench_gpu_step").model_config("mini")

@@ -2,7 +2,7 @@
 
 The decoding checks drive `naive_generate` with scripted fake models whose logits are chosen by hand,
 so every expected step count and token can be worked out on paper. The model checks use a small
-synthetic checkpoint written here with safetensors directly (independent of redraft.engine.tiny).
+synthetic checkpoint written here with safetensors directly (independent of redraft.engine.model.tiny).
 """
 
 from __future__ import annotations

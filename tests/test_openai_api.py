@@ -26,7 +26,7 @@ import openai
 import pytest
 
 from live_server import RedraftServer, assert_error_shape
-from redraft.engine.tokenizer import LLADA2_SPECIAL_TOKENS, Tokenizer
+from redraft.engine.text.tokenizer import LLADA2_SPECIAL_TOKENS, Tokenizer
 
 KEYS = ("sk-test-1", "sk-test-2")
 SERVED_NAME = "redraft-tiny"
@@ -557,7 +557,7 @@ def test_tool_result_round_trip(client, tok):
 
 
 def _fake_output(tok: Tokenizer, text: str, finish: str = "stop"):
-    from redraft.engine.output_stream import OutputStream
+    from redraft.engine.text.output_stream import OutputStream
     from redraft.protocol.messages import RequestOutput
 
     ids = tok.encode(text) + [tok.eos_token_id]

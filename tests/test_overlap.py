@@ -1,4 +1,4 @@
-"""The overlap scheduler (engine/overlap.py) against the serial loop (`disable_overlap`), on the tiny float32
+"""The overlap scheduler (engine/runtime/overlap.py) against the serial loop (`disable_overlap`), on the tiny float32
 checkpoint: speculative forwards are actually used in a long denoising run and counted nowhere, and every
 message the core sends (tokens, finishes, logprobs, steps) is identical with overlap on and off, also when an
 abort, an admission or a likelihood job arrives while a speculative forward runs, for a batch mixing sampling,
@@ -17,9 +17,9 @@ import pytest
 from test_engine_exactness import OVERLAP_ARGS
 
 import redraft
-from redraft.engine import overlap as overlap_module
-from redraft.engine.core import EngineCore
-from redraft.engine.likelihood import Variant
+from redraft.engine.runtime import overlap as overlap_module
+from redraft.engine.runtime.core import EngineCore
+from redraft.engine.text.likelihood import Variant
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.protocol.server_args import ServerArgs
 from redraft.scheduler.page_pool import PagePool

@@ -17,8 +17,8 @@ import pytest
 
 from live_server import RedraftServer, free_port
 
-from redraft.engine.model_path import BUNDLED_MODEL_DIR
-from redraft.engine.tokenizer import Tokenizer
+from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+from redraft.engine.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

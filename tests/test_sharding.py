@@ -1,4 +1,4 @@
-"""What a tensor-/expert-parallel rank loads (engine/sharding.py): only its shard, read from the checkpoint in
+"""What a tensor-/expert-parallel rank loads (engine/model/sharding.py): only its shard, read from the checkpoint in
 slices, equal to the same part cut out of the whole model; FP8 weights and their block scales shard the same
 way. No processes here (test_tensor_parallel.py runs the ranks)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redraft.engine.config import ModelConfig
-from redraft.engine.loader import load_model
-from redraft.engine.sharding import RankLayout, check_layout, shard_model_
-from redraft.engine.tensor_parallel import weight_bytes
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.model.loader import load_model
+from redraft.engine.model.sharding import RankLayout, check_layout, shard_model_
+from redraft.engine.model.tensor_parallel import weight_bytes
 
 # head_dim 128 and intermediates of 256: every rank's share is whole 128-blocks, as FP8 with tp 2 needs
 ALIGNED = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 256,
@@ -28,7 +28,7 @@ def aligned(tiny_checkpoint):
 
 
 def by_heads_and_experts(full: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, tp: int, ep: int):
-    """The shard, written independently of engine/sharding.py: heads, intermediate columns, experts, and the
+    """The shard, written independently of engine/model/sharding.py: heads, intermediate columns, experts, and the
     token rows of embedding and lm_head (vocab_size / tp each; tp divides the tiny vocabulary of 448)."""
     d, nq, nkv, h = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
 
@@ -129,7 +129,7 @@ def test_which_real_layouts_take_fp8():
     """docs/scaling.md's claim, from the published configs: flash takes FP8 at TP 2, 4 and 8; mini up to TP 4
     (at 8 its 512-wide shared expert would give each rank 64 columns, half a block)."""
     from redraft.clients.memory_plan import PRESETS
-    from redraft.engine.tiny import TINY_CONFIG
+    from redraft.engine.model.tiny import TINY_CONFIG
 
     def cfg(name):
         return ModelConfig.from_dict({**TINY_CONFIG, **PRESETS[name], "n_group": 8, "topk_group": 4,
@@ -149,9 +149,9 @@ def test_vocabulary_rows_shard_when_tp_divides_them(vocab, tied):
     not divide is replicated whole, embedding and lm_head alike."""
     import torch.nn as nn
 
-    from redraft.engine.loader import build_model
-    from redraft.engine.sharding import VocabShardEmbedding, is_vocab_parallel
-    from redraft.engine.tiny import TINY_CONFIG
+    from redraft.engine.model.loader import build_model
+    from redraft.engine.model.sharding import VocabShardEmbedding, is_vocab_parallel
+    from redraft.engine.model.tiny import TINY_CONFIG
 
     cfg = ModelConfig.from_dict({**TINY_CONFIG, "vocab_size": vocab, "tie_word_embeddings": tied})
     model = build_model(cfg, torch.float32, "cpu", layout=RankLayout(1, 2, 1))
@@ -165,7 +165,7 @@ def test_vocabulary_rows_shard_when_tp_divides_them(vocab, tied):
 
 def test_a_vocabulary_shard_looks_up_only_its_rows():
     """The ranks' embedding rows sum to the whole lookup, exactly (each id is found on one rank, zeros elsewhere)."""
-    from redraft.engine.sharding import VocabShardEmbedding
+    from redraft.engine.model.sharding import VocabShardEmbedding
 
     whole = torch.randn(12, 5, dtype=torch.float64)
     ids = torch.tensor([0, 11, 3, 6, 5, 9, 6])

@@ -1,4 +1,4 @@
-"""Structured output under draft-and-edit decoding (engine/constrained.py, docs/structured-output.md).
+"""Structured output under draft-and-edit decoding (engine/decoding/constrained.py, docs/structured-output.md).
 
 1. Property tests (hypothesis): the frontier sweep driven by adversarial logits on a toy byte-level vocabulary,
    through a block loop written here (the official W = 1 lifecycle, independent of the engine's scheduler).
@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import redraft
-from redraft.engine.constrained import Constraint
-from redraft.engine.decoding import joint_threshold_step
-from redraft.engine.grammar import GrammarError, Grammars, to_llguidance, tool_call_lark
-from redraft.engine.tokenizer import Tokenizer
+from redraft.engine.decoding.constrained import Constraint
+from redraft.engine.decoding.decoding import joint_threshold_step
+from redraft.engine.text.grammar import GrammarError, Grammars, to_llguidance, tool_call_lark
+from redraft.engine.text.tokenizer import Tokenizer
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.scheduler.request import Request
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from redraft.engine.config import ModelConfig
-from redraft.engine.tiny import TINY_CONFIG, TINY_TOKENIZER_FILE, make_tiny_checkpoint
-from redraft.engine.tokenizer import Tokenizer
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.model.tiny import TINY_CONFIG, TINY_TOKENIZER_FILE, make_tiny_checkpoint
+from redraft.engine.text.tokenizer import Tokenizer
 from redraft.training.bpe import tiny_corpus, train_tiny_tokenizer
 
 
@@ -208,7 +208,7 @@ def test_corpus_is_deterministic() -> None:
 
 
 def test_the_frozen_tiny_tokenizer_is_what_training_makes() -> None:
-    """engine/tiny_tokenizer.json is the BPE trained on tiny_corpus (`python -m redraft.training.bpe --write-tiny`)."""
+    """engine/model/tiny_tokenizer.json is the BPE trained on tiny_corpus (`python -m redraft.training.bpe --write-tiny`)."""
     assert TINY_TOKENIZER_FILE.read_text(encoding="utf-8") == train_tiny_tokenizer() + "\n"
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from redraft.engine.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, load_default_chat_template,
+from redraft.engine.text.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, load_default_chat_template,
                                       save_pretrained_tokenizer)
 from redraft.training.bpe import build_bpe_tokenizer
 

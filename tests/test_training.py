@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from redraft.engine.config import BLOCK_SIZE
+from redraft.engine.model.config import BLOCK_SIZE
 from redraft.kernels.attention import block_causal_visible
 from redraft.training import tasks
 from redraft.training.data import (add_noise, dual_copy_mask, dual_copy_positions, encode_example,
@@ -285,8 +285,8 @@ def test_checkpoint_resume_restores_everything(trainer, tmp_path) -> None:
 
 def test_export_round_trip_through_engine(trainer, tmp_path) -> None:
     import redraft
-    from redraft.engine.loader import load_model
-    from redraft.engine.config import ModelConfig
+    from redraft.engine.model.loader import load_model
+    from redraft.engine.model.config import ModelConfig
     from redraft.training.export import export_model
 
     out = export_model(trainer.model, trainer.tok, tmp_path / "ckpt")
@@ -324,7 +324,7 @@ def test_train_settings_override_and_merge() -> None:
 def test_eval_demo_set_applies_a_sampling_parameter_to_every_setting(capsys) -> None:
     """`redraft eval-demo --set threshold=1.0`: no probability beats 1.0 (strict >), so every forward fills only
     its one fallback mask; an unknown parameter is an error that lists the known ones."""
-    from redraft.engine.model_path import BUNDLED_MODEL_DIR
+    from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
     from redraft.training.evaluate import evaluate, main
 
     free = evaluate(str(BUNDLED_MODEL_DIR), 2, ["S"], families=["count"])

@@ -1,5 +1,5 @@
 """Training byte-level BPE tokenizers for the checkpoints redraft makes itself: the demo model's
-(training/data.py) and the tiny test checkpoints' (frozen into engine/tiny_tokenizer.json, which the engine
+(training/data.py) and the tiny test checkpoints' (frozen into engine/model/tiny_tokenizer.json, which the engine
 loads without training anything).
 
     python -m redraft.training.bpe --write-tiny      # retrain the tiny tokenizer and rewrite that file
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from redraft.engine.tiny import TINY_TOKENIZER_FILE, TINY_TOKENIZER_VOCAB
-from redraft.engine.tokenizer import LLADA2_SPECIAL_TOKENS
+from redraft.engine.model.tiny import TINY_TOKENIZER_FILE, TINY_TOKENIZER_VOCAB
+from redraft.engine.text.tokenizer import LLADA2_SPECIAL_TOKENS
 
 
 def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int,
@@ -91,7 +91,7 @@ def tiny_corpus(n_sentences: int = 400, seed: int = 1234) -> list[str]:
 
 def train_tiny_tokenizer() -> str:
     """The tiny checkpoints' tokenizer as JSON, trained from scratch (deterministic for a fixed corpus):
-    what engine/tiny_tokenizer.json must hold."""
+    what engine/model/tiny_tokenizer.json must hold."""
     return build_bpe_tokenizer(tiny_corpus(), TINY_TOKENIZER_VOCAB).to_str(pretty=True)
 
 

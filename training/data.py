@@ -27,8 +27,8 @@ import torch
 from tokenizers import Regex, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from redraft.engine.config import BLOCK_SIZE
-from redraft.engine.tokenizer import LLADA2_SPECIAL_TOKENS, Tokenizer
+from redraft.engine.model.config import BLOCK_SIZE
+from redraft.engine.text.tokenizer import LLADA2_SPECIAL_TOKENS, Tokenizer
 from redraft.training.bpe import build_bpe_tokenizer
 from redraft.training.tasks import CHAT_TEMPLATES, FAMILIES, Example, render_prompt, sample
 

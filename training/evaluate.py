@@ -34,7 +34,7 @@ MODE_PARAMS: dict[str, dict[str, Any]] = {
     "S-W3": {"mode": "S", "mbe_window": 3},
     "Q-W2": {"mode": "Q", "mbe_window": 2},
     "Q-W3": {"mode": "Q", "mbe_window": 3},
-    # the stutter penalty (engine/logit_controls.py)
+    # the stutter penalty (engine/decoding/logit_controls.py)
     "S-stutter1": {"mode": "S", "stutter_penalty": 1.0},
     "S-stutter3": {"mode": "S", "stutter_penalty": 3.0},
 }
@@ -80,7 +80,7 @@ def evaluate(model_dir: str, per_family: int, modes: list[str], seed: int = 1000
     on top of every setting."""
     import torch
 
-    from redraft.engine.engine import Engine
+    from redraft.engine.runtime.engine import Engine
 
     torch.set_num_threads(threads)
     suite = suite or model_suite(model_dir)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
     args = p.parse_args(argv)
     model = args.model
     if model is None:
-        from redraft.engine.model_path import BUNDLED_MODEL_DIR
+        from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
 
         if not (BUNDLED_MODEL_DIR / "config.json").is_file():
             p.error(f"no bundled demo model in this install ({BUNDLED_MODEL_DIR}); pass --model DIR")

@@ -2,7 +2,7 @@
 
 config.json (the LLaDA2 fields), model.safetensors (official tensor names: our packed gate|up matrices and
 stacked experts are cut back into per-expert gate_proj / up_proj / down_proj, the exact inverse of
-`engine/loader.py`'s mapping; expert_bias stays float32), tokenizer.json + tokenizer_config.json (with the
+`engine/model/loader.py`'s mapping; expert_bias stays float32), tokenizer.json + tokenizer_config.json (with the
 chat template) and generation_config.json.
 
     python -m redraft.training.export --run-dir runs/demo --out engine/demo_model
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from redraft.engine.config import ModelConfig
-from redraft.engine.loader import expected_tensors
-from redraft.engine.model import LLaDA2Model
-from redraft.engine.tokenizer import BOS_TOKEN, Tokenizer, save_pretrained_tokenizer
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.model.loader import expected_tensors
+from redraft.engine.model.model import LLaDA2Model
+from redraft.engine.text.tokenizer import BOS_TOKEN, Tokenizer, save_pretrained_tokenizer
 
 log = logging.getLogger("redraft.export")
 

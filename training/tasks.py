@@ -241,7 +241,7 @@ def make_json(a: int, op: str, b: int) -> Example:
 
 
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
-    """What engine/templates/llada2_chat.jinja's render_tool_call writes for one call (tests check it is)."""
+    """What engine/text/templates/llada2_chat.jinja's render_tool_call writes for one call (tests check it is)."""
     import json
 
     return '<tool_call>{"name": ' + json.dumps(name) + ', "arguments": ' + json.dumps(arguments) + "}</tool_call>"
@@ -411,12 +411,12 @@ def render_prompt(example: Example, tokenizer: Any | None = None) -> str:
     """The prompt text: the user turn (and the example's tools, if any) through the LLaDA2 chat template, with
     the assistant turn opened.
 
-    With a `redraft.engine.tokenizer.Tokenizer`, its own (checkpoint) template renders it; without one, the
+    With a `redraft.engine.text.tokenizer.Tokenizer`, its own (checkpoint) template renders it; without one, the
     LLaDA2 template redraft ships (the one the demo checkpoint carries).
     """
     if tokenizer is not None:
         return tokenizer.apply_chat_template(example.messages(), tools=example.tool_list(), add_generation_prompt=True)
-    from redraft.engine.tokenizer import EOS_TOKEN, MASK_TOKEN, render_chat_template
+    from redraft.engine.text.tokenizer import EOS_TOKEN, MASK_TOKEN, render_chat_template
 
     return render_chat_template(_default_template(), example.messages(), tools=example.tool_list(),
                                 add_generation_prompt=True,
@@ -425,7 +425,7 @@ def render_prompt(example: Example, tokenizer: Any | None = None) -> str:
 
 @lru_cache(maxsize=1)
 def _default_template() -> Any:
-    from redraft.engine.tokenizer import compile_chat_template, load_default_chat_template
+    from redraft.engine.text.tokenizer import compile_chat_template, load_default_chat_template
 
     return compile_chat_template(load_default_chat_template())  # compiling is slow: once per process
 

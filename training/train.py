@@ -12,7 +12,7 @@ Not a general trainer. One step:
      cross-entropy on the scored positions, AdamW step with clipping and a warmup + cosine LR;
   5. the MoE routers are balanced without a loss (DeepSeek-V3 style): each expert's `expert_bias` moves by a
      small step towards equal load.
-The model is `redraft.engine.model.LLaDA2Model` itself; only its attention function is swapped for a dense
+The model is `redraft.engine.model.model.LLaDA2Model` itself; only its attention function is swapped for a dense
 masked one. Everything lives in a run folder (default runs/demo/): config.json, tokenizer/, ckpt.pt (model,
 optimizer, step, RNG states; rewritten atomically), log.jsonl (one line per logged step, evals too),
 train.log (when started with nohup). Re-running the same command resumes from ckpt.pt.
@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from redraft.engine.config import BLOCK_SIZE, ModelConfig
-from redraft.engine.model import LLaDA2Model, MoE
-from redraft.engine.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, load_default_chat_template,
+from redraft.engine.model.config import BLOCK_SIZE, ModelConfig
+from redraft.engine.model.model import LLaDA2Model, MoE
+from redraft.engine.text.tokenizer import (LLADA2_SPECIAL_TOKENS, Tokenizer, load_default_chat_template,
                                       save_pretrained_tokenizer)
 from redraft.kernels.moe import route_torch
 from redraft.training.data import (DEMO_VOCAB_SIZE, Bucket, WindowExample, add_noise, build_demo_tokenizer,
@@ -340,7 +340,7 @@ class Trainer:
         if tcfg.init_from and Path(tcfg.init_from).is_dir():
             # warm start from an exported model (Hugging Face layout, e.g. engine/demo_model): its weights are
             # trained already, number rows included
-            from redraft.engine.loader import load_model
+            from redraft.engine.model.loader import load_model
 
             src = Path(tcfg.init_from)
             loaded = load_model(src, ModelConfig.from_pretrained(src), dtype="float32", device="cpu", progress=False)

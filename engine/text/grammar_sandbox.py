@@ -6,7 +6,7 @@ small pool of workers, each under a memory limit (RLIMIT_AS) and a time limit pe
 runs out of time is killed and replaced on the next job; its request gets a GrammarError ("the grammar could
 not be compiled: ..."). Verdicts, good and bad, are cached (LRU), so a repeated constraint costs nothing.
 
-Torch-free. Workers are plain `python -m redraft.engine.grammar_sandbox` processes (started on the first
+Torch-free. Workers are plain `python -m redraft.engine.text.grammar_sandbox` processes (started on the first
 check, not before) talking length-prefixed JSON over their stdin/stdout; each exits when its parent does.
 """
 
@@ -29,7 +29,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from redraft.engine.grammar import GrammarError, cache_key, check_bounds
+from redraft.engine.text.grammar import GrammarError, cache_key, check_bounds
 
 log = logging.getLogger("redraft.grammar")
 
@@ -51,7 +51,7 @@ class _Worker:
 
     def __init__(self, init: bytes, memory_bytes: int):
         env = dict(os.environ, REDRAFT_GRAMMAR_WORKER_MEMORY=str(memory_bytes))
-        self.proc = subprocess.Popen([sys.executable, "-m", "redraft.engine.grammar_sandbox"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "redraft.engine.text.grammar_sandbox"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, close_fds=True)
         self.jobs = 0
         try:
@@ -157,7 +157,7 @@ class GrammarSandbox:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int, **kwargs: Any) -> "GrammarSandbox":
-        """From a redraft Tokenizer (engine/tokenizer.py)."""
+        """From a redraft Tokenizer (engine/text/tokenizer.py)."""
         return cls(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_id, **kwargs)
 
     async def acheck(self, field: str, source: Any) -> None:
@@ -289,7 +289,7 @@ def _worker_main() -> None:
     raw = _read_frame(inp)
     if raw is None:
         return
-    from redraft.engine.grammar import Grammars
+    from redraft.engine.text.grammar import Grammars
 
     try:
         init = json.loads(raw)

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as _HFTokenizer
 
-from redraft.engine.config import ModelConfig
-from redraft.engine.tokenizer import (BOS_TOKEN, EOS_TOKEN, MASK_TOKEN, load_default_chat_template,
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.text.tokenizer import (BOS_TOKEN, EOS_TOKEN, MASK_TOKEN, load_default_chat_template,
                                       save_pretrained_tokenizer)
 
 # The tiny checkpoints' byte-level BPE, trained once on a toy corpus (training/bpe.py, which rewrites this file)

@@ -1,6 +1,6 @@
 """Likelihoods of given text under a block-diffusion model (docs/likelihood.md). Torch-free: this module plans
 which masked variants of which blocks to run and turns their log-probabilities into scores; the engine runs
-the variants (engine/scoring.py: a job per request, advanced a chunk per engine iteration; the offline Engine
+the variants (engine/runtime/scoring.py: a job per request, advanced a chunk per engine iteration; the offline Engine
 runs one to its end with `EngineCore.score_variants`).
 
 A *variant* is one block k of a sequence with some of its positions masked, run attending to the clean blocks

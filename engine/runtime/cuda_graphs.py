@@ -33,7 +33,7 @@ from redraft.kernels.attention import AttentionMetadata
 from redraft.kernels.moe import compute_dtype
 
 if TYPE_CHECKING:
-    from redraft.engine.model_runner import ForwardBatch, ModelRunner
+    from redraft.engine.runtime.model_runner import ForwardBatch, ModelRunner
     from redraft.scheduler.scheduler import WorkItem
 
 log = logging.getLogger("redraft.cuda_graphs")
@@ -81,7 +81,7 @@ class DecodeGraphs:
     def can_run(self, items: list["WorkItem"]) -> bool:
         """Plain denoising steps only: every item decodes exactly its active block, with no MBE window (a decoding
         query holds its whole window, so first == last means a one-block window; read from the items alone, so
-        that engine/overlap.py can ask about the next iteration's before the requests reach it)."""
+        that engine/runtime/overlap.py can ask about the next iteration's before the requests reach it)."""
         return (
             0 < len(items) <= self.max_bs
             and all(it.decodes and it.first == it.last and it.last < self.max_pages for it in items)

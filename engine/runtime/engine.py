@@ -10,8 +10,8 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
-from redraft.engine.core import EngineCore
-from redraft.engine.output_stream import OutputStream
+from redraft.engine.runtime.core import EngineCore
+from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.sampling_params import BLOCK_SIZE, SamplingParams
 from redraft.protocol.server_args import ServerArgs
 
@@ -79,7 +79,7 @@ class Engine:
                         ) -> list[tuple[float, list[tuple[int, float]]] | None]:
         """The staircase ("echo") value of every position from `start` (>= 1): log p(x_i | x_<i, positions
         i .. end of i's block masked), with the top_k alternatives of the same row; None before `start`."""
-        from redraft.engine.likelihood import staircase_values, staircase_variants
+        from redraft.engine.text.likelihood import staircase_values, staircase_variants
 
         ids = list(input_ids)
         variants = staircase_variants(0, len(ids), max(1, start), BLOCK_SIZE)
@@ -90,7 +90,7 @@ class Engine:
               seed: int = 0) -> list[dict]:
         """Likelihood terms of (prompt ids, response ids) items: the block ELBO (Monte Carlo, masks a pure
         function of seed, timestep and position), the exact staircase, or the exact ELBO (docs/likelihood.md)."""
-        from redraft.engine.likelihood import elbo_plan, fill_terms
+        from redraft.engine.text.likelihood import elbo_plan, fill_terms
 
         seqs = [list(p) + list(r) for p, r in items]
         plan = elbo_plan([(len(p), len(p) + len(r)) for p, r in items], estimator=estimator,

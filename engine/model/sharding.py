@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from redraft.engine.config import ModelConfig
+from redraft.engine.model.config import ModelConfig
 from redraft.kernels.fp8 import BLOCK
 
 Ranges = list[tuple[int, int]]  # [start, stop) pieces of one dimension, concatenated in order
@@ -177,7 +177,7 @@ def shard_model_(model: nn.Module, layout: RankLayout) -> nn.Module:
     """Cut `model` (an LLaDA2Model, FP8 or not, on any device: meta before allocation in load_model) down to
     `layout`'s shard in place; model.cfg becomes the rank's view (its heads and intermediate sizes; vocab_size
     stays whole: the logits are gathered whole)."""
-    from redraft.engine.model import MoE  # the model imports no parallelism; this module knows the model
+    from redraft.engine.model.model import MoE  # the model imports no parallelism; this module knows the model
 
     cfg = model.cfg
     tp = layout.tp
@@ -210,7 +210,7 @@ def shard_model_(model: nn.Module, layout: RankLayout) -> nn.Module:
 
 class VocabShardEmbedding(nn.Module):
     """The embedding rows [start, start + len(weight)) of a vocabulary-parallel rank: ids outside them give zero
-    rows, so the sum over the ranks (an all-reduce, engine/tensor_parallel.py) is the full lookup, exactly."""
+    rows, so the sum over the ranks (an all-reduce, engine/model/tensor_parallel.py) is the full lookup, exactly."""
 
     def __init__(self, weight: torch.Tensor, start: int):
         super().__init__()

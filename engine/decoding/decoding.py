@@ -8,7 +8,7 @@ multi-block editing, docs/mbe.md, also the open blocks before it); then, per req
          p > edit_threshold are replaced (strict >).
 Both come from the same forward. Everything here is tensor ops over [N, L] (N requests, L window positions,
 padded to the longest window; no per-request Python loop). The
-logits may have been adjusted first by the request's logit controls (engine/logit_controls.py: penalties,
+logits may have been adjusted first by the request's logit controls (engine/decoding/logit_controls.py: penalties,
 logit_bias, min_tokens), so the thresholds see the adjusted probabilities.
 The MASK id is never a proposal: its logit is dropped first (`exclude_mask_`). (A trained LLaDA2 never puts
 mass there; a model that did would leave its position masked and could stall a block forever.)
@@ -102,7 +102,7 @@ class StepResult:
     m2t: torch.Tensor  # [N, L] bool: masks filled
     t2t: torch.Tensor  # [N, L] bool: tokens edited
     had_mask: torch.Tensor  # [N] bool: the window held a mask before the step
-    # LLaDA2.2's Levenshtein step (engine/levenshtein.py), None when no row ran it: per row 1 = the block commits
+    # LLaDA2.2's Levenshtein step (engine/decoding/levenshtein.py), None when no row ran it: per row 1 = the block commits
     # after this forward, 0 = it goes on, -1 = a 2.1 row (Request.apply_step's own rule); DELETEs and SPLITs applied
     ended: torch.Tensor | None = None  # [N] long
     deletions: torch.Tensor | None = None  # [N] long

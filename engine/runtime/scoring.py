@@ -1,4 +1,4 @@
-"""Likelihood work (engine/likelihood.py's masked variants): everything the engine does for `/score` and `echo`.
+"""Likelihood work (engine/text/likelihood.py's masked variants): everything the engine does for `/score` and `echo`.
 The engine loop advances each job one bounded chunk at a time, between decoding iterations, so a large request
 never stalls the requests that are running, and can be dropped at once when its client leaves.
 
@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from redraft.engine.decoding import exclude_mask_
-from redraft.engine.model_runner import ModelRunner, finite_logprobs
+from redraft.engine.decoding.decoding import exclude_mask_
+from redraft.engine.runtime.model_runner import ModelRunner, finite_logprobs
 from redraft.kernels.attention import AttentionMetadata
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import ScoreResult

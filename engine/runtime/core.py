@@ -3,7 +3,7 @@ schedule -> one forward for the whole batch -> update -> incremental outputs.
 
 The offline `redraft.Engine` and the engine process (`engine_process.py`, behind the HTTP server) both drive
 this class and nothing else: a request is validated, resolved, scheduled, decoded and reported here only.
-Start-up (model, scheduler, runner) is engine/startup.py's; likelihood jobs are engine/scoring.py's; the core
+Start-up (model, scheduler, runner) is engine/runtime/startup.py's; likelihood jobs are engine/runtime/scoring.py's; the core
 wires them into the loop.
 
     core = EngineCore(ServerArgs(...))
@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from redraft.engine.constrained import Constraint
-from redraft.engine.denoise_trace import streaming_requests
-from redraft.engine.faults import FaultInjector
-from redraft.engine.grammar import GrammarError, Grammars, max_output_tokens
-from redraft.engine.grammar_sandbox import GrammarSandbox
-from redraft.engine.likelihood import MAX_VARIANTS as MAX_SCORE_VARIANTS  # (the HTTP routes check it first)
-from redraft.engine.overlap import Overlap, off_reason
-from redraft.engine.scoring import CHUNK_TOKENS, ScoreJob, Scoring, Values
-from redraft.engine.startup import start_engine
+from redraft.engine.decoding.constrained import Constraint
+from redraft.engine.decoding.denoise_trace import streaming_requests
+from redraft.engine.runtime.faults import FaultInjector
+from redraft.engine.text.grammar import GrammarError, Grammars, max_output_tokens
+from redraft.engine.text.grammar_sandbox import GrammarSandbox
+from redraft.engine.text.likelihood import MAX_VARIANTS as MAX_SCORE_VARIANTS  # (the HTTP routes check it first)
+from redraft.engine.runtime.overlap import Overlap, off_reason
+from redraft.engine.runtime.scoring import CHUNK_TOKENS, ScoreJob, Scoring, Values
+from redraft.engine.runtime.startup import start_engine
 from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, RequestOutput, ScoreResult
 from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams, SamplingParams, resolve
@@ -78,13 +78,13 @@ class EngineCore:
         self.num_forwards = 0
         self.faults = FaultInjector.from_env()  # a test hook, inert unless REDRAFT_FAULT_INJECT is set
         self.runner.faults = self.scheduler.fault_hook = self.faults
-        # likelihood jobs, advanced round-robin one chunk per step (engine/scoring.py)
+        # likelihood jobs, advanced round-robin one chunk per step (engine/runtime/scoring.py)
         chunk = min(args.chunked_prefill_size, CHUNK_TOKENS.get(torch.device(args.device).type, CHUNK_TOKENS["cuda"]))
         self.scoring = Scoring(self.scheduler, self.runner, chunk, self.tokenizer.mask_token_id)
         self.scheduler.pages_held_elsewhere = lambda: self.scoring.leases.count > 0
         self._fault_streak: tuple[str, set[str]] = ("", set())  # forward failures alike in a row, their rids
         self.num_request_failures = 0
-        # the next forward runs while the host finishes this iteration (engine/overlap.py)
+        # the next forward runs while the host finishes this iteration (engine/runtime/overlap.py)
         self.overlap = Overlap(self.runner, self.scheduler, off_reason(args))
         log.info("overlap scheduler: %s", "on" if self.overlap.enabled else f"off ({self.overlap.reason_off})")
 
@@ -268,7 +268,7 @@ class EngineCore:
 
     def _run_isolating(self, items: list[WorkItem], first_try: Any = None
                        ) -> list[tuple[list[WorkItem], StepOutput]]:
-        """The forward of `items` (`first_try`: the decision on a speculative forward of them, engine/overlap.py;
+        """The forward of `items` (`first_try`: the decision on a speculative forward of them, engine/runtime/overlap.py;
         else ModelRunner.run); when it raises, the same items in halves (recursively), so that only the
         requests whose forward fails on their own end (error finish) and the rest run as they would have.
         A half's rows are reloaded from its requests first (the failed attempt may have advanced them)."""
@@ -379,7 +379,7 @@ class EngineCore:
                                "seconds": g.seconds}
         return meta
 
-    # ---- likelihoods (engine/likelihood.py, engine/scoring.py) --------------------------------------------
+    # ---- likelihoods (engine/text/likelihood.py, engine/runtime/scoring.py) --------------------------------------------
     def _new_score_job(self, token: str, sequences: list[list[int]], variants: list[Any], top_k: int = 0,
                        max_tokens: int | None = None) -> ScoreJob:
         """A started likelihood job: masked variants of blocks (likelihood.Variant: block k of a sequence, some

@@ -1,5 +1,5 @@
 """Grammars for structured output: a request's constraint (JSON schema, regex, EBNF/GBNF or Lark) compiled into a
-matcher that the constrained decoding step drives (engine/constrained.py). Torch-free: the HTTP process uses it
+matcher that the constrained decoding step drives (engine/decoding/constrained.py). Torch-free: the HTTP process uses it
 to refuse a bad grammar with a 400 naming the field, the engine to decode.
 
 The backend is llguidance. `GrammarMatcher` is the whole interface the decoding step uses (validate, consume,
@@ -136,7 +136,7 @@ class Grammars:
     @property
     def closers(self) -> tuple[int, ...]:
         """Tokens that are one ASCII punctuation character (`}`, `]`, `"`, ...), in byte order: what the
-        constrained step closes a grammar with when the model wants to stop (engine/constrained.py)."""
+        constrained step closes a grammar with when the model wants to stop (engine/decoding/constrained.py)."""
         if self._closers is None:
             found: dict[bytes, int] = {}
             for t in range(self.vocab_size):
@@ -150,7 +150,7 @@ class Grammars:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> "Grammars":
-        """From a redraft Tokenizer (engine/tokenizer.py)."""
+        """From a redraft Tokenizer (engine/text/tokenizer.py)."""
         return cls(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_id)
 
     def compile(self, field: str, source: Any) -> str:
@@ -174,7 +174,7 @@ class Grammars:
         """Everything the decoding step does at a constraint's start, so that an error shows here and not in
         the engine loop: compile, build the matcher, play the forced tokens, read the first bitmask.
         GrammarError (naming `field`) when it fails, or when the grammar can never accept (no output
-        satisfies it). Run it where a native crash costs nothing (engine/grammar_sandbox.py). `bounds`: False
+        satisfies it). Run it where a native crash costs nothing (engine/text/grammar_sandbox.py). `bounds`: False
         skips the cheap bounds (tests reach the native code with it)."""
         if bounds:
             check_bounds(field, source)
@@ -423,7 +423,7 @@ def parse_schema(source: Any, field: str = "json_schema") -> dict[str, Any]:
     return source
 
 
-# LLaDA2's tool-call format, as its chat template writes an assistant's calls (engine/templates/llada2_chat.jinja):
+# LLaDA2's tool-call format, as its chat template writes an assistant's calls (engine/text/templates/llada2_chat.jinja):
 # <tool_call>{"name": "f", "arguments": {...}}</tool_call>, one per call, nothing between them.
 TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from redraft.engine.grammar import GrammarDeadEnd, GrammarMatcher
+from redraft.engine.text.grammar import GrammarDeadEnd, GrammarMatcher
 
 __all__ = ["Constraint", "GrammarDeadEnd", "GrammarStats"]
 

@@ -4,7 +4,7 @@ Reads in one sitting: RMSNorm -> packed QKV -> per-head QK RMSNorm -> partial Ne
 paged attention -> output projection; then a dense SwiGLU (first layers) or the sigmoid MoE with a shared expert
 (LLaDA2.0/2.1's grouped routing, or LLaDA2.2's block routing when the config has an `expert_capacity`: each
 token's routing block comes from the attention metadata, `kernels/moe.py` `routing_blocks`). Parameter layout is
-ours (packed/stacked at load); `engine/loader.py` maps official names.
+ours (packed/stacked at load); `engine/model/loader.py` maps official names.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from redraft.engine.config import ModelConfig
+from redraft.engine.model.config import ModelConfig
 from redraft.kernels.attention import AttentionMetadata, paged_attention_torch
 from redraft.kernels.moe import (compute_dtype, local_expert_ids, moe_experts_torch, route_layer_torch,
                                 routing_blocks, swiglu)

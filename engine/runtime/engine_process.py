@@ -6,7 +6,7 @@ acceptances, rejections, what each request committed since its last message, fin
 that concerns one request ends that request (an error finish, a 500 for that message), never this loop.
 Idle, it blocks on the socket instead of spinning. It exits on ShutdownReq, or by itself when its parent process
 is gone, so no orphan is ever left behind. SIGINT/SIGTERM sent to the whole process group are ignored: the HTTP
-process drains its requests first, then stops this one (engine/child_process.py).
+process drains its requests first, then stops this one (engine/runtime/child_process.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from redraft.engine.child_process import end_children, parent_alive, shield_from_group_signals
+from redraft.engine.runtime.child_process import end_children, parent_alive, shield_from_group_signals
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import (
     AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq, PingReq, Pong, Rejected,
@@ -43,7 +43,7 @@ def run_engine_process(args: ServerArgs, recv_addr: str, send_addr: str) -> None
     asked_to_stop, linger_ms = False, 0
     try:
         try:
-            from redraft.engine.core import EngineCore
+            from redraft.engine.runtime.core import EngineCore
 
             core = EngineCore(args.replace(progress=False))
         except Exception as exc:  # report why (once: the HTTP process prints it), then die

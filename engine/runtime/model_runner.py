@@ -7,8 +7,8 @@ window (the active block alone without multi-block editing), which of them may b
 and sampling settings. `SlotState.sync` mirrors a request's decoding state to its row when its block (re)began
 (`Request.row_key` changed) and the row is updated in place by each step, so a steady-state step builds no
 per-request Python lists for the decoding step. The step runs on [N, L] positions: every request's window,
-padded to the longest in the batch. Structured output's grammar (engine/constrained.py) and logit controls
-(engine/logit_controls.py) run per request inside the step; likelihood forwards are engine/scoring.py's.
+padded to the longest in the batch. Structured output's grammar (engine/decoding/constrained.py) and logit controls
+(engine/decoding/logit_controls.py) run per request inside the step; likelihood forwards are engine/runtime/scoring.py's.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from redraft.engine.config import ModelConfig
-from redraft.engine.constrained import Constraint
-from redraft.engine.decoding import SamplingBatch, StepResult, exclude_mask_, propose, threshold_step
-from redraft.engine.faults import NO_FAULTS, FaultInjector
-from redraft.engine.levenshtein import LevenshteinResult, LevenshteinSlots, LogitsAt, StructuralIds, logits_at_of
-from redraft.engine.logit_controls import LogitControls
-from redraft.engine.model import LLaDA2Model
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.decoding.constrained import Constraint
+from redraft.engine.decoding.decoding import SamplingBatch, StepResult, exclude_mask_, propose, threshold_step
+from redraft.engine.runtime.faults import NO_FAULTS, FaultInjector
+from redraft.engine.decoding.levenshtein import LevenshteinResult, LevenshteinSlots, LogitsAt, StructuralIds, logits_at_of
+from redraft.engine.decoding.logit_controls import LogitControls
+from redraft.engine.model.model import LLaDA2Model
 from redraft.kernels.attention import AttentionMetadata
 from redraft.kernels.vocab_top1 import Top1, lm_head_top1_torch
 from redraft.protocol.sampling_params import BLOCK_SIZE, MAX_MBE_WINDOW
@@ -75,7 +75,7 @@ def build_forward_batch(items: list[WorkItem], block_size: int) -> ForwardBatch:
 @dataclass
 class ForwardPlan:
     """One forward, fixed before it starts: `ModelRunner.forward` reads this and nothing else (it may run on the
-    overlap worker, engine/overlap.py, while the host changes the requests)."""
+    overlap worker, engine/runtime/overlap.py, while the host changes the requests)."""
 
     batch: ForwardBatch
     decoding: list[int]  # which items decode
@@ -236,14 +236,14 @@ class ModelRunner:
         # Greedy rows decide from vocabulary chunks, without [L, V] logits (off: a vocabulary-parallel lm_head,
         # whose ranks each hold a slice of the vocabulary).
         self.vocab_reduce = True
-        self.grammar_seconds = 0.0  # host time in structured output's sweeps (engine/constrained.py), in total
+        self.grammar_seconds = 0.0  # host time in structured output's sweeps (engine/decoding/constrained.py), in total
         self._bit_index = torch.arange(8, dtype=torch.uint8, device=self.device)
         self.graph_error: str | None = None  # why capture failed (the step then runs eagerly)
-        self.faults: FaultInjector = NO_FAULTS  # tests only (engine/faults.py)
+        self.faults: FaultInjector = NO_FAULTS  # tests only (engine/runtime/faults.py)
         if cuda_graph_max_bs > 0:
             if self.device.type != "cuda" or model.kernel_backend != "triton":
                 raise ValueError("CUDA graphs need device='cuda' and kernel_backend='triton'")
-            from redraft.engine.cuda_graphs import DecodeGraphs
+            from redraft.engine.runtime.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(self, cuda_graph_max_bs)
             try:
@@ -556,7 +556,7 @@ class ModelRunner:
                    before: torch.Tensor, result: StepResult, lens: list[int],
                    failed: dict[str, tuple[str, BaseException]]) -> None:
         """Structured output: each constrained row's window goes through its grammar's frontier sweep
-        (engine/constrained.py), in place in `result` and the slot state. Reads only the row's own logits."""
+        (engine/decoding/constrained.py), in place in `result` and the slot state. Reads only the row's own logits."""
         t0 = time.perf_counter()
         idx = torch.tensor(rows, device=self.device)
         before_rows, after_rows = before[idx].tolist(), result.tokens[idx].tolist()

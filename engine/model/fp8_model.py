@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from redraft.engine.config import ModelConfig
-from redraft.engine.model import DenseMLP, LLaDA2Model, MoE
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.model.model import DenseMLP, LLaDA2Model, MoE
 from redraft.kernels.fp8 import (BLOCK, FP8_DTYPE, Fp8DenseMLP, Fp8Linear, cdiv, moe_forward_fp8_torch,
                                  quantize_weight)
 

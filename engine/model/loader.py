@@ -24,10 +24,10 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from redraft.engine.config import ModelConfig
-from redraft.engine.model import LLaDA2Model
-from redraft.engine import fp8_model
-from redraft.engine.sharding import SKIP, RankLayout, shard_model_
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.model.model import LLaDA2Model
+from redraft.engine.model import fp8_model
+from redraft.engine.model.sharding import SKIP, RankLayout, shard_model_
 from redraft.kernels import fp8 as fp8q
 
 log = logging.getLogger("redraft.loader")
@@ -159,7 +159,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
                 quantization: str | None = None, layout: RankLayout | None = None) -> LLaDA2Model:
     """Allocate (uninitialised) parameters directly in `dtype` on `device`: no random init, no second copy.
     quantization="fp8": the quantisable weights are e4m3 with float32 block scales instead. With a tensor-
-    parallel `layout`, only the rank's shard is allocated (engine/sharding.py)."""
+    parallel `layout`, only the rank's shard is allocated (engine/model/sharding.py)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -312,7 +312,7 @@ def load_model(
     quantization: str | None = None,
     layout: RankLayout | None = None,
 ) -> LLaDA2Model:
-    """Build and fill the model; with a tensor-parallel `layout`, only that rank's shard (engine/sharding.py)."""
+    """Build and fill the model; with a tensor-parallel `layout`, only that rank's shard (engine/model/sharding.py)."""
     torch_dtype = resolve_dtype(dtype)
     quantization = resolve_quantization(cfg, quantization)
     model = build_model(cfg, torch_dtype, device, quantization, layout)

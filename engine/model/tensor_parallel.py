@@ -1,6 +1,6 @@
 """Tensor and expert parallelism over torch.distributed (gloo on CPU, NCCL on GPUs): docs/scaling.md.
 
-What each rank holds is engine/sharding.py (each rank loads only that: its rows and columns of the sharded
+What each rank holds is engine/model/sharding.py (each rank loads only that: its rows and columns of the sharded
 weights, its own experts, its slice of the vocabulary, and the replicated rest). Here: the processes and the
 collectives. An all-reduce after the (vocabulary-parallel) embedding, after attention and after the MLP of every
 layer turns the ranks' partial sums into the full hidden state everywhere; for logits each rank multiplies the
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from redraft.engine.child_process import group_signals_blocked, shield_from_group_signals
-from redraft.engine.config import ModelConfig
-from redraft.engine.model import LLaDA2Model
-from redraft.engine.sharding import RankLayout, is_vocab_parallel
+from redraft.engine.runtime.child_process import group_signals_blocked, shield_from_group_signals
+from redraft.engine.model.config import ModelConfig
+from redraft.engine.model.model import LLaDA2Model
+from redraft.engine.model.sharding import RankLayout, is_vocab_parallel
 
 log = logging.getLogger("redraft.tp")
 STOP = "stop"
@@ -210,9 +210,9 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
     process they inherit its "ignored" already, this says so for any other parent), and a rank dies with the
     engine process (when it started us from its main thread)."""
     shield_from_group_signals(die_with_parent)
-    from redraft.engine.loader import load_model
-    from redraft.engine.model_path import resolve_model_path
-    from redraft.engine.model_runner import ModelRunner
+    from redraft.engine.model.loader import load_model
+    from redraft.engine.model.model_path import resolve_model_path
+    from redraft.engine.runtime.model_runner import ModelRunner
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_threads(args)

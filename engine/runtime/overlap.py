@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from redraft.engine.model_runner import Forward, ForwardBatch, ForwardPlan, ModelRunner, build_forward_batch
+from redraft.engine.runtime.model_runner import Forward, ForwardBatch, ForwardPlan, ModelRunner, build_forward_batch
 from redraft.scheduler.page_pool import PagePool
 from redraft.scheduler.request import Request
 from redraft.scheduler.scheduler import Scheduler, StepOutput, WorkItem

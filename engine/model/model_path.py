@@ -8,7 +8,7 @@ from pathlib import Path
 
 log = logging.getLogger("redraft.engine")
 
-BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
 
 
 def default_model_path() -> Path:
@@ -17,7 +17,7 @@ def default_model_path() -> Path:
         return BUNDLED_MODEL_DIR
     cache = Path.home() / ".cache" / "redraft" / "tiny-random-seed0"
     if not (cache / "config.json").is_file():
-        from redraft.engine.tiny import make_tiny_checkpoint  # needs torch
+        from redraft.engine.model.tiny import make_tiny_checkpoint  # needs torch
 
         make_tiny_checkpoint(cache, seed=0)
     log.warning("no bundled demo model in this install: serving a tiny RANDOM checkpoint (%s)", cache)

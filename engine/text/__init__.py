@@ -1,0 +1,1 @@
+"""Text the HTTP process shares with the engine, torch-free: tokenizer and chat templates, incremental detokenizer and output streams, the grammar front end and its sandbox, the likelihood planner."""
