@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+import step_probe
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "gpu.md"
 DOCS_BEGIN, DOCS_END = "<!-- bench_gpu_step:begin -->", "<!-- bench_gpu_step:end -->"
@@ -147,6 +149,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing", choices=step_probe.ROUTINGS, default="uniform",
+                   help="model: the model's router decides; uniform: a fixed random top-k assignment per token "
+                        "(the router still runs; capturable)")
+    p.add_argument("--block", choices=step_probe.BLOCKS, default="random",
+                   help="the active block's tokens: mask (all MASK, as the engine opens it) or random tokens")
+    p.add_argument("--profile", action="store_true", help="also break the replayed step down by kernel class "
+                   "(torch.profiler)")
+    p.add_argument("--skip-attention", action="store_true", help="skip the attention table")
+    p.add_argument("--skip-prefill", action="store_true", help="skip the prefill table")
     p.add_argument("--write-docs", action="store_true", help=f"write the tables into {DOCS.relative_to(REPO)}")
     p.add_argument("--docs-path", default=str(DOCS), help="the page --write-docs updates")
     p.add_argument("--json-out", default=None, help="also write every number to this JSON file")
@@ -341,7 +352,7 @@ def _clear(engine) -> None:
     sched.flush_cache()
 
 
-def bench_steps(engine, args, bw: float, cfg) -> list[dict]:
+def bench_steps(engine, args, bw: float, mm: float, cfg, probe) -> list[dict]:
     from redraft.engine.runtime.model_runner import build_forward_batch
 
     runner = engine.core.runner
@@ -349,30 +360,45 @@ def bench_steps(engine, args, bw: float, cfg) -> list[dict]:
     if graphs is None:
         raise SystemExit(f"bench_gpu_step: no CUDA graphs were captured: {runner.graph_error}")
     rng = torch.Generator().manual_seed(args.seed)
+    avoid = {engine.tokenizer.mask_token_id, engine.tokenizer.eos_token_id}
+    esz = torch.finfo(getattr(torch, args.dtype)).bits // 8
     rows = []
     for n in args.batches:
         items = _decode_items(engine, n, args.context, rng)
+        if args.block == "random":
+            step_probe.randomize_blocks(items, min(cfg.vocab_size, 150000), avoid, args.seed + n)
         batch = build_forward_batch(items, BLOCK)
-        with torch.inference_mode():
+        with torch.inference_mode(), probe.recording() as ids:
             hidden, window_rows = runner._forward_eager(runner.plan(items, batch))
             eager_logits = runner.model.logits(hidden, window_rows)  # [N, B, V], what the graph captures
+        touched = step_probe.experts_touched(ids, cfg.num_experts)  # this batch's routing, per MoE layer
+        with torch.inference_mode():
             graph_logits = graphs.run(batch).clone()
         identical = bool(torch.equal(eager_logits, graph_logits))
         max_diff = float((eager_logits - graph_logits).abs().max())
-        del eager_logits, graph_logits
+        del eager_logits, graph_logits, hidden
         runner.graphs = None
         eager = _time(lambda _: runner.run(items), args.iters, args.warmup)
         runner.graphs = graphs
         graph = _time(lambda _: runner.run(items), args.iters, args.warmup)
         fwd = _time(lambda _: graphs.run(batch), args.iters, args.warmup)
-        need = step_bytes(cfg, n, args.context, torch.finfo(getattr(torch, args.dtype)).bits // 8)
-        rows.append({"batch": n, "context": args.context, "eager_ms": eager, "graph_ms": graph,
-                     "graph_forward_ms": fwd, "speedup": eager / graph, "floor_ms": need["total"] / bw * 1e3,
-                     "bytes": need["total"], "experts_touched": need["experts_touched"],
-                     "replay_identical": identical, "replay_max_abs_diff": max_diff})
+        roof = step_probe.step_roofline(cfg, n, args.context, touched, bw=bw, peak=mm, wbytes=esz)
+        row = {"batch": n, "context": args.context, "routing": args.routing, "block": args.block,
+               "eager_ms": eager, "graph_ms": graph, "graph_forward_ms": fwd, "speedup": eager / graph,
+               "floor_ms": roof["total_ms"], "bytes": roof["total_bytes"], "experts_touched": roof["experts_touched"],
+               "experts_touched_per_layer": touched, "roofline": roof,
+               "replay_identical": identical, "replay_max_abs_diff": max_diff}
+        if args.profile:
+            iters = max(1, min(args.iters, 10))
+            fwd_cls = step_probe.profile_classes(lambda: graphs.run(batch), iters, DEVICE)
+            step_cls = step_probe.profile_classes(lambda: runner.run(items), iters, DEVICE)
+            row["breakdown_forward"] = fwd_cls
+            row["breakdown_decision"] = step_probe.subtract(step_cls, fwd_cls)
+        rows.append(row)
         _clear(engine)
-        print(f"  step batch {n}: eager {eager:.2f} ms, graph {graph:.2f} ms (forward {fwd:.2f}), "
-              f"floor {rows[-1]['floor_ms']:.2f} ms, replay identical: {identical}", flush=True)
+        print(f"  step batch {n} ({args.routing} routing, {args.block} block): eager {eager:.2f} ms, graph "
+              f"{graph:.2f} ms (forward {fwd:.2f}), floor {roof['total_ms']:.2f} ms, experts touched "
+              f"{roof['experts_touched']:.1f}/layer, replay identical: {identical}", flush=True)
     return rows
 
 
@@ -465,16 +491,22 @@ def render(info: dict, steps: list[dict], attn: list[dict], prefill: list[dict])
         f"{info['dtype']} matmul **{info['mm_rate'] / 1e12:.0f} TFLOP/s** (8192^3).",
         "",
         f"### Denoising step (context {steps[0]['context'] if steps else '-'} tokens per request, one 32-token "
-        "block each; forward + draft-and-edit step)",
+        f"block each; forward + draft-and-edit step; {steps[0]['routing'] if steps else '-'} routing, "
+        f"{steps[0]['block'] if steps else '-'} block)",
         "",
-        "| batch | eager ms | CUDA graph ms | graph speed-up | graph forward ms | HBM floor ms | step / floor "
-        "| experts touched / layer | replay == eager |",
+        "The floor is a roofline per kernel class (attention, projections, router, routed experts, lm_head): "
+        "max(bytes / copy bandwidth, FLOPs / matmul rate) each, summed; routed experts are those the timed "
+        "batch's routing touched, counted per layer.",
+        "",
+        "| batch | eager ms | CUDA graph ms | graph speed-up | graph forward ms | roofline floor ms | step / floor "
+        "| experts touched / layer (measured) | replay == eager |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in steps:
         lines.append(f"| {r['batch']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} | {r['speedup']:.2f}x | "
                      f"{r['graph_forward_ms']:.2f} | {r['floor_ms']:.2f} | {r['graph_ms'] / r['floor_ms']:.2f}x | "
                      f"{r['experts_touched']:.0f} | {'bitwise' if r['replay_identical'] else 'max diff %.1e' % r['replay_max_abs_diff']} |")
+    lines += render_breakdown(steps)
     nominal = info.get("nominal_floor_ms")
     if steps and nominal:
         lines += ["", f"Batch-1 floor at the datasheet bandwidth of this GPU ({info['nominal_bw'] / 1e12:.2f} TB/s): "
@@ -494,6 +526,25 @@ def render(info: dict, steps: list[dict], attn: list[dict], prefill: list[dict])
     return "\n".join(lines) + "\n"
 
 
+def render_breakdown(steps: list[dict]) -> list[str]:
+    """The replayed forward and the decision (step minus forward) by kernel class, one column pair per batch."""
+    prof = [r for r in steps if "breakdown_forward" in r]
+    if not prof:
+        return []
+    classes = sorted({c for r in prof for c in r["breakdown_forward"] if c != "total"})
+    head = "| kernel class | " + " | ".join(f"batch {r['batch']} us | kernels" for r in prof) + " |"
+    lines = ["", "### Where the step goes (torch.profiler over replays; us and kernels per step)", "", head,
+             "|---|" + "---:|---:|" * len(prof)]
+    for cls in classes + ["total"]:
+        cells = [f"{r['breakdown_forward'].get(cls, {}).get('us', 0):.0f} | "
+                 f"{r['breakdown_forward'].get(cls, {}).get('kernels', 0):.0f}" for r in prof]
+        lines.append(f"| {cls} | " + " | ".join(cells) + " |")
+    cells = [f"{r['breakdown_decision']['total']['us']:.0f} | {r['breakdown_decision']['total']['kernels']:.0f}"
+             for r in prof]
+    lines.append("| decision and host-launched (step - forward) | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_docs(text: str, path: Path = DOCS) -> None:
     """Replace the results section (between the markers) of docs/gpu.md; the rest of the page is kept."""
     doc = path.read_text() if path.exists() else f"# redraft on a GPU\n\n{DOCS_BEGIN}\n{DOCS_END}\n"
@@ -506,7 +557,7 @@ def write_docs(text: str, path: Path = DOCS) -> None:
 
 
 DRY_RUN = dict(model="tiny", dtype="float32", batches=[1, 3], context=40, prefill=[70], attn_contexts=[64], iters=1,
-               warmup=0)
+               warmup=0, profile=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -546,14 +597,18 @@ def main(argv: list[str] | None = None) -> int:
             "nominal_floor_ms": step_bytes(cfg, 1, 0, esz)["weights"] / nominal_bw * 1e3 if nominal_bw else None}
     print(f"  copy {bw / 1e12:.2f} TB/s, matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
 
-    attn = bench_attention(cfg, args, bw, l2)
-    with tempfile.TemporaryDirectory() as tmp:
+    attn = [] if args.skip_attention else bench_attention(cfg, args, bw, l2)
+    prefills = [] if args.skip_prefill else args.prefill
+    with tempfile.TemporaryDirectory() as tmp, \
+            step_probe.routing(args.routing, max(args.batches) * BLOCK, args.seed) as probe:
         model_dir = write_model_dir(Path(tmp) / f"llada2.1-{args.model}-dummy", args.model)
-        max_tokens = max(args.batches) * (args.context + 10 * BLOCK) + max(args.prefill) + 8 * BLOCK
+        max_tokens = max(args.batches) * (args.context + 10 * BLOCK) + max(prefills + [0]) + 8 * BLOCK
         t0 = time.perf_counter()
         engine = build_engine(args, model_dir, max_tokens)
         print(f"  engine ready in {time.perf_counter() - t0:.0f} s (dummy weights, CUDA graphs captured)", flush=True)
-        steps = bench_steps(engine, args, bw, cfg)
+        steps = bench_steps(engine, args, bw, mm, cfg, probe)
+        probe.mode = "model"  # prefill: the model's own routing (a prompt's tokens are real tokens)
+        args.prefill = prefills
         prefill = bench_prefill(engine, args, cfg, mm, bw)
     text = render(info, steps, attn, prefill)
     print()

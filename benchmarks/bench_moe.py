@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+import step_probe
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "gpu.md"
 DOCS_BEGIN, DOCS_END = "<!-- bench_moe:begin -->", "<!-- bench_moe:end -->"
@@ -54,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default="bf16,fp8", help="bf16 and/or fp8")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--context", type=int, default=1024, help="prompt tokens behind the active block (step bench)")
+    p.add_argument("--routing", choices=["model", "uniform"], default="uniform",
+                   help="model: the layer's router decides; uniform: a fixed random top-k assignment per token (the "
+                        "router still runs)")
+    p.add_argument("--block", choices=["mask", "random"], default="random",
+                   help="the layer's input rows: random, or mask (each 32-token block's rows one repeated vector: "
+                        "the collapsed routing of an all-MASK block with dummy weights)")
     p.add_argument("--skip-step", action="store_true", help="skip the end-to-end denoising-step comparison")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -119,6 +127,7 @@ class Layer:
         g = torch.Generator(device=DEVICE).manual_seed(seed)
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg, self.dtype, self.fp8 = cfg, dtype, fp8
+        self.uniform: torch.Tensor | None = None  # [T_max, k] fixed ids (--routing uniform), set by the benchmark
 
         def rnd(*shape, std):
             return (torch.randn(*shape, generator=g, device=DEVICE) * std).to(dtype)
@@ -142,12 +151,23 @@ class Layer:
         return dict(top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
                     routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob)
 
+    def route(self, x: torch.Tensor, triton_router: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router (always run), then the fixed uniform ids when `self.uniform` ([T_max, k], sliced)."""
+        from redraft.kernels import moe_triton as mt
+        from redraft.kernels.moe import route_torch
+
+        fn = mt.route_triton if triton_router else route_torch
+        ids, w = fn(x, self.router, self.bias, **self.route_kwargs())
+        if self.uniform is not None:
+            ids = self.uniform[: x.shape[0]]
+        return ids, w
+
     def run(self, x: torch.Tensor, method: str) -> torch.Tensor:
-        from redraft.kernels.moe import route_torch, swiglu
+        from redraft.kernels.moe import swiglu
         from redraft.kernels import moe_triton as mt
 
         if method == "torch":
-            ids, w = route_torch(x, self.router, self.bias, **self.route_kwargs())
+            ids, w = self.route(x, triton_router=False)
             if self.fp8:
                 from redraft.kernels.fp8 import moe_experts_fp8_torch, swiglu_fp8_torch
 
@@ -156,7 +176,7 @@ class Layer:
             from moe_sync_free import moe_experts_static
 
             return moe_experts_static(x, self.w13, self.w2, ids, w) + swiglu(x, self.sg, self.sd)
-        ids, w = mt.route_triton(x, self.router, self.bias, **self.route_kwargs())
+        ids, w = self.route(x)
         shared = mt.SharedExpert(self.sg, self.sd, self.sg_s, self.sd_s)
         return mt.fused_moe(x, self.w13, self.w2, ids, w, w13_scale=self.w13_s, w2_scale=self.w2_s, shared=shared,
                             method=method)
@@ -168,11 +188,49 @@ class Layer:
 
         xf = x.float()
         ids, w = route_torch(xf, self.router.float(), self.bias, **self.route_kwargs())
+        if self.uniform is not None:
+            ids = self.uniform[: x.shape[0]]
         if self.fp8:
             out = moe_experts_fp8_torch(xf, self.w13, self.w13_s, self.w2, self.w2_s, ids, w)
             return out + swiglu_fp8_torch(xf, self.sg, self.sg_s, self.sd, self.sd_s)
         out = moe_experts_torch(xf, self.w13.float(), self.w2.float(), ids, w)
         return out + swiglu(xf, self.sg.float(), self.sd.float())
+
+
+def layer_input(cfg, t: int, block: str, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] activations: random rows, or (block="mask") each 32-token block's rows one repeated random vector."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    if block == "random":
+        return torch.randn(t, cfg.hidden_size, generator=g, device=DEVICE).to(dtype)
+    blocks = -(-t // 32)
+    rows = torch.randn(blocks, cfg.hidden_size, generator=g, device=DEVICE).to(dtype)
+    return rows.repeat_interleave(32, dim=0)[:t].contiguous()
+
+
+def uniform_ids(cfg, max_tokens: int, seed: int) -> torch.Tensor:
+    """[max_tokens, k] int64: k distinct random experts per token, drawn on the CPU (the same on every device)."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.rand(max_tokens, cfg.num_experts, generator=g).argsort(dim=1)
+    return order[:, : cfg.num_experts_per_tok].contiguous().to(DEVICE)
+
+
+def time_in_graph(fn, iters: int, warmup: int) -> float | None:
+    """Median ms of fn() captured once in a CUDA graph and replayed (None on CPU: no graphs there)."""
+    if DEVICE.type != "cuda":
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = _time(graph.replay, iters, warmup)
+    del graph
+    return ms
 
 
 def bench_layer(cfg, args, bw: float) -> list[dict]:
@@ -182,11 +240,12 @@ def bench_layer(cfg, args, bw: float) -> list[dict]:
     act_dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     for weights in args.weights:
         layer = Layer(cfg, act_dtype, args.seed, fp8=weights == "fp8")
+        if args.routing == "uniform":
+            layer.uniform = uniform_ids(cfg, max(args.tokens), args.seed)
         for t in args.tokens:
-            g = torch.Generator(device=DEVICE).manual_seed(args.seed + t)
-            x = torch.randn(t, cfg.hidden_size, generator=g, device=DEVICE).to(act_dtype)
-            ids, _ = mt.route_triton(x, layer.router, layer.bias, **layer.route_kwargs())
-            touched = int(torch.unique(ids).numel())
+            x = layer_input(cfg, t, args.block, args.seed + t, act_dtype)
+            ids, _ = layer.route(x)
+            touched = int(torch.unique(ids).numel())  # measured: the experts this batch's routing touches
             need = moe_bytes(cfg, touched, t, weights == "fp8", x.element_size())
             ref = layer.reference(x)
             k_out = cfg.num_experts_per_tok + 1
@@ -198,12 +257,20 @@ def bench_layer(cfg, args, bw: float) -> list[dict]:
                 out = layer.run(x, method)
                 err = float((out.float() - ref).norm() / ref.norm())
                 ms = _time(lambda: layer.run(x, method), args.iters, args.warmup)
-                rows.append({"weights": weights, "tokens": t, "method": method, "ms": ms, "bytes": need,
-                             "experts_touched": touched, "achieved_bw": need / (ms / 1e3), "bw_share": need / (ms / 1e3) / bw,
+                # the torch contender syncs on the host (FP8 twin) or may: graphs for the Triton paths only
+                graph_ms = None if method == "torch" else time_in_graph(lambda: layer.run(x, method), args.iters,
+                                                                         args.warmup)
+                best = min(ms, graph_ms) if graph_ms else ms
+                rows.append({"weights": weights, "tokens": t, "method": method, "ms": ms, "graph_ms": graph_ms,
+                             "bytes": need, "routing": args.routing, "block": args.block,
+                             "experts_touched": touched, "achieved_bw": need / (best / 1e3),
+                             "bw_share": need / (best / 1e3) / bw,
                              "rel_err_vs_fp32": err, "fused_path": fused_cfg.get("path"),
                              "auto_picks": auto})
-                print(f"  moe {weights} T={t} {method}: {ms:.3f} ms, {need / (ms / 1e3) / 1e12:.2f} TB/s "
-                      f"({100 * need / (ms / 1e3) / bw:.0f}% of copy), err {err:.1e}", flush=True)
+                gtxt = f", graph {graph_ms:.3f} ms" if graph_ms else ""
+                print(f"  moe {weights} T={t} {method}: {ms:.3f} ms{gtxt}, {touched} experts, "
+                      f"{need / (best / 1e3) / 1e12:.2f} TB/s ({100 * need / (best / 1e3) / bw:.0f}% of copy), "
+                      f"err {err:.1e}", flush=True)
         layer = None  # free this format's weights before the next
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
@@ -232,33 +299,45 @@ def bench_step(args, cfg_name: str) -> list[dict]:
     gs.DEVICE = DEVICE
     rows = []
     dtype = "bfloat16" if DEVICE.type == "cuda" else "float32"
-    from redraft.engine.runtime.model_runner import build_forward_batch
-
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = gs.write_model_dir(Path(tmp) / f"llada2.1-{cfg_name}-dummy", cfg_name)
         for quant in (None, "fp8"):
             t0 = time.perf_counter()
-            engine = build_engine(model_dir, dtype, quant, args, args.context + 12 * gs.BLOCK)
-            print(f"  engine ({quant or dtype}) ready in {time.perf_counter() - t0:.0f} s", flush=True)
-            if engine.core.runner.graphs is None:
-                raise SystemExit(f"bench_moe: no CUDA graphs were captured: {engine.core.runner.graph_error}")
-            rng = torch.Generator().manual_seed(args.seed)
-            items = gs._decode_items(engine, 1, args.context, rng)
-            runner = engine.core.runner
-            batch = build_forward_batch(items, gs.BLOCK)
-            step = _time(lambda: runner.run(items), args.iters, args.warmup)
-            fwd = _time(lambda: runner.graphs.run(batch), args.iters, args.warmup)
-            weight_bytes = sum(t.numel() * t.element_size() for t in
-                               list(engine.core.model.parameters()) + list(engine.core.model.buffers()))
-            rows.append({"weights": quant or "bf16", "batch": 1, "context": args.context, "step_ms": step,
-                         "forward_ms": fwd, "model_gb": weight_bytes / 1e9})
-            print(f"  step ({quant or 'bf16'}) batch 1: {step:.2f} ms (forward {fwd:.2f} ms)", flush=True)
-            gs._clear(engine)
-            engine.shutdown()
-            engine = runner = items = None
-            if DEVICE.type == "cuda":
-                torch.cuda.empty_cache()
+            with step_probe.routing(args.routing, gs.BLOCK, args.seed):
+                row = _one_step(args, model_dir, dtype, quant, t0)
+            rows.append(row)
     return rows
+
+
+def _one_step(args, model_dir: Path, dtype: str, quant: str | None, t0: float) -> dict:
+    """One engine (bf16 or FP8 weights) at batch 1: the CUDA-graph step and forward, then freed."""
+    import bench_gpu_step as gs
+    from redraft.engine.runtime.model_runner import build_forward_batch
+
+    engine = build_engine(model_dir, dtype, quant, args, args.context + 12 * gs.BLOCK)
+    print(f"  engine ({quant or dtype}) ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    if engine.core.runner.graphs is None:
+        raise SystemExit(f"bench_moe: no CUDA graphs were captured: {engine.core.runner.graph_error}")
+    rng = torch.Generator().manual_seed(args.seed)
+    items = gs._decode_items(engine, 1, args.context, rng)
+    if args.block == "random":
+        avoid = {engine.tokenizer.mask_token_id, engine.tokenizer.eos_token_id}
+        step_probe.randomize_blocks(items, min(engine.model_config.vocab_size, 150000), avoid, args.seed)
+    runner = engine.core.runner
+    batch = build_forward_batch(items, gs.BLOCK)
+    step = _time(lambda: runner.run(items), args.iters, args.warmup)
+    fwd = _time(lambda: runner.graphs.run(batch), args.iters, args.warmup)
+    weight_bytes = sum(t.numel() * t.element_size() for t in
+                       list(engine.core.model.parameters()) + list(engine.core.model.buffers()))
+    row = {"weights": quant or "bf16", "batch": 1, "context": args.context, "step_ms": step,
+           "forward_ms": fwd, "model_gb": weight_bytes / 1e9, "routing": args.routing, "block": args.block}
+    print(f"  step ({quant or 'bf16'}) batch 1: {step:.2f} ms (forward {fwd:.2f} ms)", flush=True)
+    gs._clear(engine)
+    engine.shutdown()
+    engine = runner = items = None
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 # ---- the FP8 token agreement on the tiny checkpoint (CPU) --------------------------------------------------
@@ -609,17 +688,23 @@ def render(info: dict, layer: list[dict], steps: list[dict]) -> str:
         f"Device: **{info['device']}**, torch {info['torch']}, triton {info['triton']}, CUDA {info['cuda']}; "
         f"{info['date']}. Measured copy bandwidth **{info['copy_bw'] / 1e12:.2f} TB/s** (read + write).",
         f"MoE layer at the LLaDA2.1-{info['model']} shape (H {info['hidden']}, I {info['inter']}, "
-        f"{info['experts']} experts, top-{info['top_k']}, + 1 shared), activations {info['act_dtype']}.",
+        f"{info['experts']} experts, top-{info['top_k']}, + 1 shared), activations {info['act_dtype']}; "
+        f"{info.get('routing', 'model')} routing, {info.get('block', 'random')} rows.",
         "",
         "### MoE layer (router + experts + shared expert)",
         "",
-        "| weights | tokens | method | ms | experts touched | MB moved | TB/s | share of copy BW | rel. err vs fp32 |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "Experts touched: counted from the ids of the timed batch. TB/s and share from the faster of eager and "
+        "CUDA-graph replay.",
+        "",
+        "| weights | tokens | method | ms | graph ms | experts touched | MB moved | TB/s | share of copy BW "
+        "| rel. err vs fp32 |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in layer:
         meth = r["method"] + (f" (={r['auto_picks']})" if r["method"] == "auto" else "")
         meth += f" [{r['fused_path']}]" if r["method"] == "fused" else ""
-        lines.append(f"| {r['weights']} | {r['tokens']} | {meth} | {r['ms']:.3f} | {r['experts_touched']} | "
+        graph = f"{r['graph_ms']:.3f}" if r.get("graph_ms") else "-"
+        lines.append(f"| {r['weights']} | {r['tokens']} | {meth} | {r['ms']:.3f} | {graph} | {r['experts_touched']} | "
                      f"{r['bytes'] / 1e6:.0f} | {r['achieved_bw'] / 1e12:.2f} | {100 * r['bw_share']:.0f}% | "
                      f"{r['rel_err_vs_fp32']:.1e} |")
     if steps:
@@ -691,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     info = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "date": time.strftime("%Y-%m-%d"), "model": args.model, "copy_bw": bw, "hidden": cfg.hidden_size,
             "inter": cfg.moe_intermediate_size, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
-            "act_dtype": "bfloat16" if DEVICE.type == "cuda" else "float32"}
+            "act_dtype": "bfloat16" if DEVICE.type == "cuda" else "float32", "routing": args.routing,
+            "block": args.block}
     layer = bench_layer(cfg, args, bw)
     steps = [] if args.skip_step else bench_step(args, args.model)
     text = render(info, layer, steps)

@@ -274,6 +274,12 @@ def test_bench_gpu_step_dry_run(tmp_path):
     result = json.loads((tmp_path / "b.json").read_text())
     assert [r["batch"] for r in result["steps"]] == [1, 3]
     assert all(r["replay_identical"] for r in result["steps"])
+    # the default is the honest one: uniform routing over a random block, experts counted from the timed batch's
+    # ids in each of the tiny model's two MoE layers (8 experts, top-2: a 32-token block touches all 8)
+    assert all(r["routing"] == "uniform" and r["block"] == "random" for r in result["steps"])
+    assert all(r["experts_touched_per_layer"] == [8, 8] for r in result["steps"])
+    assert "experts touched / layer (measured)" in after and "roofline floor ms" in after
+    assert all(r["breakdown_forward"]["total"]["kernels"] > 0 for r in result["steps"])  # the profiler flow ran
     assert all(r["rel_err_vs_fp32"] < 1e-4 for r in result["attention"])
 
 
