@@ -432,3 +432,32 @@ def test_nothing_past_the_frontier_is_streamed(engine, tok) -> None:
                 sent += len(out.new_ids)
                 c = req.state.constraint
                 assert c.done or req.prompt_len + sent <= c.frontier
+
+
+def test_tool_grammar_keeps_each_functions_refs(grammars, tok) -> None:
+    """Each function's `$ref`s ("#/$defs/X", a root self-reference "#") point into its own schema once nested
+    in the tool-call grammar, for several tools at once; `$ref`-shaped data (a const) is left alone; a schema
+    without any is nested as it was."""
+    linked = {"$defs": {"Leaf": {"type": "object", "properties": {"v": {"type": "integer"}}, "required": ["v"]}},
+              "type": "object", "properties": {"leaf": {"$ref": "#/$defs/Leaf"}, "next": {"$ref": "#"},
+                                               "tag": {"const": {"$ref": "#/x"}}},
+              "required": ["leaf"], "additionalProperties": False}
+    other = {"$defs": {"Leaf": {"type": "string"}}, "type": "object", "properties": {"s": {"$ref": "#/$defs/Leaf"}},
+             "required": ["s"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": linked}},
+             {"type": "function", "function": {"name": "g", "parameters": other}}, *TOOLS]
+    start, end = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+    lark = tool_call_lark(tools, start, end)
+    assert '"tag": {"const": {"$ref": "#/x"}}' in lark
+    assert json.dumps(TOOLS[0]["function"]["parameters"]) in lark  # nested unchanged
+    m = grammars.matcher("lark", lark)
+
+    def valid(call: str) -> bool:
+        ids = [start, *tok.encode(call), end]
+        return grammars.matcher("lark", lark).count_valid(ids) == len(ids)
+
+    assert valid('{"name": "f", "arguments": {"leaf": {"v": 1}, "next": {"leaf": {"v": 2}}, "tag": {"$ref": "#/x"}}}')
+    assert valid('{"name": "g", "arguments": {"s": "x"}}')
+    assert not valid('{"name": "g", "arguments": {"s": {"v": 1}}}')  # g's Leaf is a string, not f's object
+    assert not valid('{"name": "f", "arguments": {"leaf": "x"}}')
+    assert m.count_valid([start]) == 1

@@ -442,12 +442,65 @@ def tool_call_lark(tools: list[dict[str, Any]], start_id: int, end_id: int, *, n
     for f in functions:
         check_schema_bounds(f.get("parameters") or {}, f"tools[{[t['function'] for t in tools].index(f)}]"
                                                        ".function.parameters")
+    defs: dict[str, Any] = {}
     options = [{
         "type": "object",
-        "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
+        "properties": {"name": {"const": f["name"]}, "arguments": _arguments_schema(f, i, defs)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-    } for f in functions]
+    } for i, f in enumerate(functions)]
     schema = dict(options[0] if len(options) == 1 else {"anyOf": options}, **{"x-guidance": TEMPLATE_JSON})
+    if defs:
+        schema["$defs"] = defs
     repeat = "+" if parallel and name is None else ""
     return f"start: call{repeat}\ncall: <[{start_id}]> %json {json.dumps(schema)} <[{end_id}]>\n"
+
+
+# ---- a function's parameters schema, nested inside the tool-call schema -------------------------------------------
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a pointer.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _arguments_schema(function: dict[str, Any], index: int, defs: dict[str, Any]) -> dict[str, Any]:
+    """The schema of one function's `arguments`. Its local `$ref` pointers ("#", "#/$defs/X", "#/properties/y"
+    ...) are relative to its own root, which nesting moves: a schema holding any is placed whole at
+    `#/$defs/tool<index>` of the tool-call schema (added to `defs`) with every pointer rewritten to start
+    there, self-references included; one without is nested as it is."""
+    params = function.get("parameters") or {"type": "object"}
+    base = f"#/$defs/tool{index}"
+    moved, rewritten = _rebase_refs(params, base)
+    if not rewritten:
+        return params
+    defs[f"tool{index}"] = moved
+    return {"$ref": base}
+
+
+def _rebase_refs(schema: Any, base: str) -> tuple[Any, int]:
+    """A copy of `schema` with every local `$ref` ("#..." ) made to start at `base`, and how many there were.
+    Iterative (any depth); data keywords (const, enum, default, examples) are copied untouched."""
+    count = 0
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(schema, root, 0)]  # (node, parent container, key in it)
+    while stack:
+        node, parent, key = stack.pop()
+        if isinstance(node, dict):
+            copy: dict[str, Any] = {}
+            for k, v in node.items():
+                if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+                    copy[k] = base + v[1:]
+                    count += 1
+                elif k in _DATA_KEYWORDS or not isinstance(v, (dict, list)):
+                    copy[k] = v
+                else:
+                    copy[k] = None
+                    stack.append((v, copy, k))
+            parent[key] = copy
+        else:  # a list of schemas (anyOf, prefixItems, ...)
+            items: list[Any] = [None] * len(node)
+            for j, v in enumerate(node):
+                if isinstance(v, (dict, list)):
+                    stack.append((v, items, j))
+                else:
+                    items[j] = v
+            parent[key] = items
+    return root[0], count
