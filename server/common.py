@@ -321,6 +321,17 @@ def client_rid(rid: str) -> str:
 _TOKEN_ID = re.compile("[0-9]{1,10}")
 
 
+def check_token_ids(state: "ServerState", prompts: list[list[int]], param: str) -> None:
+    """Prompts given as token ids: every id inside the vocabulary, checked once before any path reads them (the
+    echo and prompt-logprob paths decode them before the engine's own check would refuse them)."""
+    vocab = state.vocab_size
+    for ids in prompts:
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            shown = bad if abs(bad) < 10**12 else f"{str(bad)[:12]}..."
+            raise RequestError(f"token id {shown} is outside the vocabulary [0, {vocab})", param=param)
+
+
 def check_logit_bias_keys(bias: Any, param: str) -> None:
     """OpenAI's logit_bias keys are token ids written in ASCII digits ("7"), nothing else: int() would also read
     " 7" or Arabic-Indic digits, so a typo could bias a token nobody named."""

@@ -22,7 +22,7 @@ from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.common import (RETRY_AFTER, ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
-                                   check_model, client_rid, engine_error, engine_rid, error_response, run_all,
+                                   check_model, check_token_ids, client_rid, engine_error, engine_rid, error_response, run_all,
                                    run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.denoise import denoise_sse
 from redraft.server.dials import DIALS, DialError, lift_dials
@@ -281,6 +281,7 @@ async def _native_prompts(state: ServerState, body: GenerateBody, names: RouteNa
         prompts = [await state.encode(t, "text") for t in texts]
     else:
         prompts = body.input_ids if _is_batch_ids(body.input_ids) else [body.input_ids]  # type: ignore[list-item]
+        check_token_ids(state, prompts, names.prompt)  # before the prompt-logprob path reads them
     if not prompts:  # an empty batch; an empty prompt is the engine's to refuse
         raise RequestError("the prompt is empty", param=names.prompt)
     return [list(p) for p in prompts]

@@ -24,8 +24,8 @@ from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.denoise import chat_event_chunk, completion_event_chunk, step_maps
 from redraft.server.likelihood_api import all_prompt_logprobs
 from redraft.server.common import (ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
-                                   check_model, engine_rid, merge_updates, run_all, run_until_disconnect, sse,
-                                   sse_error, start_streams)
+                                   check_model, check_token_ids, engine_rid, merge_updates, run_all,
+                                   run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue, text_chars
 from redraft.server.param_names import CHAT, COMPLETIONS, RouteNames
 from redraft.server.routing import DepthCheckedRoute, State
@@ -140,6 +140,20 @@ def openai_finish(finish: dict | None) -> str:
     return FINISH.get((finish or {}).get("type", "stop"), "stop")
 
 
+def forced_tool_call(body: ChatCompletionRequest) -> bool:
+    """tool_choice `required` or a named function: the grammar writes nothing but calls."""
+    return bool(body.tools) and body.tool_choice is not None and body.tool_choice not in ("none", "auto")
+
+
+def split_tool_output(state: ServerState, out: OutputStream, forced: bool) -> tuple[str | None, list[dict] | None]:
+    """(content, tool_calls) of an output read for tool calls. A forced call writes only call envelopes: its
+    content is never the envelope's text (None beside calls; "" when max_tokens cut the first call short)."""
+    content, calls = parse_tool_calls(state, out)
+    if calls:
+        return (None if forced else content), calls
+    return ("" if forced else out.text), None
+
+
 def parse_tool_calls(state: ServerState, out: OutputStream) -> tuple[str | None, list[dict] | None]:
     """Split `<tool_call>{json}</tool_call>` blocks out of the output. Returns (content, tool_calls)."""
     ids = [t for t in out.ids if t not in state.tokenizer.eos_token_ids]
@@ -178,6 +192,13 @@ def diffusion_stats(outs: list[OutputStream]) -> dict:
         stats.update(deletions=sum(o.meta.get("deletions", 0) for o in outs),
                      insertions=sum(o.meta.get("insertions", 0) for o in outs))
     return stats
+
+
+def continuous_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: usage on every chunk, only where include_usage asks for
+    usage at all."""
+    options = body.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -231,13 +252,21 @@ def completion_logprobs(state: ServerState, out: OutputStream, start: int, end: 
         text = _token_entry(state, tok, lp)["token"]
         tokens.append(text)
         lps.append(lp)
-        alt: dict[str, float] = {}
-        for t, v in alts:  # best first: when two tokens decode to the same text (e.g. "\ufffd"), keep the better
-            alt.setdefault(_token_entry(state, t, v)["token"], v)
-        top.append(alt)
+        top.append(_top_dict(state, alts, text, lp))
         offsets.append(pos)
         pos += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def _top_dict(state: ServerState, alts: list[tuple[int, float]], text: str, logprob: float) -> dict[str, float]:
+    """The legacy top_logprobs entry of one position: its alternatives by text, best first (when two tokens
+    decode to the same text, e.g. "\ufffd", the better is kept), and the token itself always (as OpenAI and vLLM
+    do: with logprobs 0 it is the only entry)."""
+    alt: dict[str, float] = {}
+    for t, v in alts:
+        alt.setdefault(_token_entry(state, t, v)["token"], v)
+    alt.setdefault(text, logprob)
+    return alt
 
 
 # ---- routes -------------------------------------------------------------------------------------------
@@ -277,21 +306,21 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest,
 router = APIRouter(route_class=DepthCheckedRoute)
 
 
+def model_card(state: ServerState, name: str) -> dict:
+    """One model's object, the same in the list and on its own (vLLM's fields: root, parent, max_model_len)."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "redraft",
+            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}
+
+
 @router.get("/v1/models")
 async def list_models(state: State):
-    now = int(time.time())
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": now, "owned_by": "redraft", "root": state.model_path,
-         "max_model_len": state.max_model_len}
-        for name in state.model_names[:1]
-    ]}
+    return {"object": "list", "data": [model_card(state, name) for name in state.model_names[:1]]}
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, state: State):
     check_model(state, model)
-    return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "redraft",
-            "max_model_len": state.max_model_len}
+    return model_card(state, model)
 
 
 @router.post("/v1/chat/completions")
@@ -371,9 +400,9 @@ async def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]
         return [await state.encode(prompt, "prompt")]
     if prompt and isinstance(prompt[0], str):
         return [await state.encode(p, "prompt") for p in prompt]
-    if prompt and isinstance(prompt[0], int):
-        return [list(prompt)]
-    return [list(p) for p in prompt]
+    ids = [list(prompt)] if prompt and isinstance(prompt[0], int) else [list(p) for p in prompt]
+    check_token_ids(state, ids, "prompt")
+    return ids
 
 
 class ChatFormatter:
@@ -387,10 +416,11 @@ class ChatFormatter:
                 "system_fingerprint": None, **extra}
 
     def _message(self, out: OutputStream) -> tuple[dict, str]:
-        content, calls = parse_tool_calls(self.state, out) if self.tools else (None, None)
+        content, calls = split_tool_output(self.state, out, forced_tool_call(self.body)) if self.tools \
+            else (out.text, None)
         if calls:
             return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": out.text}, finish_reason(out)
+        return {"role": "assistant", "content": content}, finish_reason(out)
 
     def response(self, outs: list[OutputStream]) -> dict:
         if first_aborted(outs) is not None:
@@ -413,7 +443,7 @@ class ChatFormatter:
 
     @property
     def _continuous_usage(self) -> bool:
-        return bool(self.body.stream_options and self.body.stream_options.continuous_usage_stats)
+        return continuous_usage(self.body)
 
     @property
     def _include_usage(self) -> bool:
@@ -488,10 +518,7 @@ class CompletionFormatter:
                 tops.append(None)
             else:
                 lps.append(entry[0])
-                alt: dict[str, float] = {}
-                for t, v in entry[1]:
-                    alt.setdefault(_token_entry(self.state, t, v)["token"], v)
-                tops.append(alt)
+                tops.append(_top_dict(self.state, entry[1], text, entry[0]))
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, pos
 
     def _envelope(self, **extra: Any) -> dict:
@@ -531,7 +558,7 @@ class CompletionFormatter:
     async def stream(self, streams: list[ChoiceStream]) -> AsyncIterator[str]:
         options = self.body.stream_options
         include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
+        continuous = continuous_usage(self.body)
         try:
             async for c, up in merge_updates(streams):
                 if isinstance(up, Exception):

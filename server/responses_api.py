@@ -26,7 +26,8 @@ from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
 from redraft.server.common import ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect
 from redraft.server.dials import DIALS
-from redraft.server.openai_api import aborted, aborted_error, diffusion_stats, parse_tool_calls, start_chat
+from redraft.server.openai_api import (aborted, aborted_error, diffusion_stats, forced_tool_call, split_tool_output,
+                                       start_chat)
 from redraft.server.openai_protocol import (ChatCompletionRequest, Strict, UnsupportedValue, drop_ignored_fields,
                                             merge_extra_body, reject_lone_surrogates)
 from redraft.server.routing import DepthCheckedRoute, State
@@ -215,7 +216,8 @@ class ResponsesFormatter:
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
     def _items(self, out: OutputStream) -> list[dict]:
-        content, calls = parse_tool_calls(self.state, out) if self.tools else (out.text, None)
+        content, calls = split_tool_output(self.state, out, forced_tool_call(self.chat)) if self.tools \
+            else (out.text, None)
         items = []
         if content or not calls:
             items.append(self._message(content or ""))

@@ -422,8 +422,10 @@ def test_completion_logprobs_legacy_shape(client):
     n = r.usage.completion_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n == 24
     assert all(v <= 0.0 for v in lp.token_logprobs)
-    for chosen, alts in zip(lp.token_logprobs, lp.top_logprobs):
-        assert 1 <= len(alts) <= 2  # tokens that decode to the same text share one key
+    for token, chosen, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        # the two best and the chosen token (as OpenAI and vLLM: it is always there); tokens that decode to the
+        # same text share one key
+        assert 1 <= len(alts) <= 3 and token in alts
         assert all(v <= 0.0 for v in alts.values()) and max(alts.values()) >= chosen - 1e-5
     assert lp.text_offset[0] == 0
     assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
