@@ -462,7 +462,8 @@ def plot(report: dict, path: Path) -> bool:
 def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (default: %(default)s)")
     ap.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
-    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("REDRAFT_API_KEY"))
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("REDRAFT_API_KEY"),
+                    help="the server's key (default: $OPENAI_API_KEY, else $REDRAFT_API_KEY)")
     ap.add_argument("--server-kind", default="auto", choices=["auto", "redraft", "openai"],
                     help="redraft: send mode/domain fields; openai: plain requests; auto: ask /v1/models")
     load = ap.add_mutually_exclusive_group()
@@ -480,10 +481,10 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
                     help="max_tokens drawn per request (default: 32 128)")
     ap.add_argument("--prefix-words", nargs=2, type=int, default=[0, 32], metavar=("MIN", "MAX"),
                     help="random words before each prompt (default: 0 32)")
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="of every request (default: %(default)s)")
     ap.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (redraft, vLLM, SGLang)")
     ap.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into every request")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1, help="seed of the prompts and lengths drawn (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (default: %(default)s)")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     ap.add_argument("--plot", type=Path, default=None, help="draw a PNG here (needs matplotlib)")

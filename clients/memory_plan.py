@@ -192,7 +192,8 @@ def measure(path: Path, tps: list[int], dtype: str) -> str:
 
 def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", type=Path, action="append", help="a config.json (default: mini and flash)")
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="tensor-parallel sizes to plan for (default: 1 2 4 8)")
     ap.add_argument("--fraction", type=float, default=0.85, help="share of GPU memory for weights + KV")
     ap.add_argument("--measure", type=Path, metavar="CHECKPOINT",
                     help="load rank 0 of each --tp layout of this checkpoint and report what it holds")

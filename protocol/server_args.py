@@ -20,6 +20,8 @@ from redraft.protocol.sampling_params import MAX_MBE_WINDOW, MODES, Defaults
 
 DEFAULT_DOMAINS = ("code", "math", "chat")  # the metrics' `domain` label values unless --domains says otherwise
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEVICES = ("auto", "cpu", "cuda")  # auto and the kernel backend's auto are resolved in the engine process
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 def _port(text: str) -> int:
@@ -33,11 +35,31 @@ def _port(text: str) -> int:
     return port
 
 
+# The sections of `redraft serve --help`, in order: a flag names its section with _opt(group=...); a new section
+# is one more line here. (The SGLang/vLLM-only flags, redraft/cli.py, form the "compatibility" section.)
+CLI_GROUPS = {
+    "model": "model: which checkpoint, and how it is read",
+    "gpu": "device and kernels (GPU)",
+    "parallelism": "parallelism (docs/scaling.md)",
+    "scheduling": "memory and scheduling",
+    "decoding": "decoding defaults of requests that name none (docs/openai.md)",
+    "server": "HTTP server",
+    "observability": "observability (docs/observability.md)",
+    "compatibility": "SGLang's and vLLM's flags: accepted with no effect, or refused with what to use instead",
+}
+
+
 def _opt(help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (), choices: tuple | None = None,
-         cli: str = "engine", default: Any = None, default_factory: Any = None, **argparse_extra: Any) -> Any:
+         cli: str = "engine", group: str = "", default: Any = None, default_factory: Any = None,
+         **argparse_extra: Any) -> Any:
     """A field with its command-line description. cli: "engine" (serve and generate), "serve" (the HTTP
-    server only) or "" (Python only)."""
-    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "cli": cli, **argparse_extra}
+    server only) or "" (Python only); group: its section of --help (a CLI_GROUPS key; aliases, such as SGLang's
+    and vLLM's names of the same setting, are listed beside the flag); cli_default (in argparse_extra): the
+    command line's default where it differs from Python's."""
+    if cli and group not in CLI_GROUPS:
+        raise ValueError(f"flag of {help!r}: group {group!r} is not one of {', '.join(CLI_GROUPS)}")
+    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "cli": cli, "group": group,
+            **argparse_extra}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -48,84 +70,98 @@ class ServerArgs:
     # ---- model ---------------------------------------------------------------------------------------
     model_path: str | None = _opt("checkpoint directory (Hugging Face layout) or a Hugging Face repo id such as "
                                   "inclusionAI/LLaDA2.1-mini (its cache first; HF_HUB_OFFLINE=1: the cache only); "
-                                  "default: the bundled demo model", flag="--model", aliases=("--model-path",))
-    revision: str | None = _opt("branch, tag or commit of a hub model")
-    device: str = _opt("cpu or cuda", choices=("cpu", "cuda"), default="cpu")
-    dtype: str | None = _opt("float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)")
-    kernel_backend: str = _opt("attention and MoE kernels: plain torch, or Triton (interpreted on CPU)",
-                               choices=("torch", "triton"), default="torch")
+                                  "default: the bundled demo model", flag="--model", aliases=("--model-path",),
+                                  group="model")
+    revision: str | None = _opt("branch, tag or commit of a hub model", group="model")
+    device: str = _opt("cpu, cuda, or auto: cuda when the engine's torch sees a CUDA device, else cpu (the choice "
+                       "is logged at start-up)", choices=DEVICES, default="cpu",
+                       cli_default="auto", group="gpu")
+    dtype: str | None = _opt("float32 | bfloat16 | float16 (default: float32 on cpu, bfloat16 on cuda)", group="model")
+    kernel_backend: str = _opt("attention and MoE kernels: plain torch, or Triton (interpreted on CPU); auto: "
+                               "triton on cuda (when triton imports), torch on cpu",
+                               choices=KERNEL_BACKENDS, default="auto", group="gpu")
     quantization: str | None = _opt(
         "fp8: e4m3 weights with a float32 scale per 128x128 block, quantised at load (FP8 checkpoints with a "
         "DeepSeek-style quantization_config load as FP8 without it); lm_head stays in --dtype",
-        choices=("fp8",))
+        choices=("fp8",), group="model")
     load_format: str = _opt("auto/safetensors: the checkpoint's weights; dummy: random weights of its shape",
-                            choices=("auto", "safetensors", "dummy"), default="auto")
+                            choices=("auto", "safetensors", "dummy"), default="auto", group="model")
     seed: int = _opt("seed of load_format=dummy weights", cli="", default=0)
     tp_size: int = _opt("tensor parallelism: engine processes (ranks) sharing each layer, one per GPU on cuda "
-                        "(gloo on cpu); docs/scaling.md", default=1, type=int, aliases=("--tensor-parallel-size",))
+                        "(gloo on cpu); docs/scaling.md", default=1, type=int, aliases=("--tensor-parallel-size",),
+                        group="parallelism")
     ep_size: int = _opt("expert parallelism: 1 (experts split like the dense layers) or tp_size (whole experts "
-                        "placed on ranks)", default=1, type=int)
+                        "placed on ranks)", default=1, type=int, group="parallelism")
     # ---- memory and batching -------------------------------------------------------------------------
-    max_total_tokens: int | None = _opt("KV cache capacity in tokens (default: sized for the device)", type=int)
+    max_total_tokens: int | None = _opt("KV cache capacity in tokens (default: sized for the device)", type=int,
+                                        group="scheduling")
     mem_fraction_static: float = _opt("GPU memory share for weights + KV cache", default=0.85, type=float,
-                                      aliases=("--gpu-memory-utilization",))
+                                      aliases=("--gpu-memory-utilization",), group="gpu")
     chunked_prefill_size: int = _opt("prefill-token budget of one iteration", default=8192, type=int,
-                                     aliases=("--max-num-batched-tokens",))
+                                     aliases=("--max-num-batched-tokens",), group="scheduling")
     max_running_requests: int = _opt("requests decoded together at most", default=256, type=int,
-                                     aliases=("--max-num-seqs",))
+                                     aliases=("--max-num-seqs",), group="scheduling")
     context_length: int | None = _opt("cap the context (prompt + output tokens) below the checkpoint's "
-                                      "max_position_embeddings", type=int, aliases=("--max-model-len",))
+                                      "max_position_embeddings", type=int, aliases=("--max-model-len",), group="model")
     max_queued_requests: int | None = _opt("beyond this many waiting requests (or running likelihood jobs: /score, "
-                                           "echo): 503", type=int)
+                                           "echo): 503", type=int, group="scheduling")
     schedule_policy: str = _opt("admission order: first come first served, or longest cached prefix first",
-                                choices=("fcfs", "lpm"), default="fcfs")
+                                choices=("fcfs", "lpm"), default="fcfs", group="scheduling")
     enable_prefix_cache: bool = _opt("do not reuse the K/V of cached prompt blocks (the radix prefix cache is on "
                                      "unless this is given)", flag="--disable-radix-cache",
-                                     default=True, action="store_false")
+                                     default=True, action="store_false", group="scheduling")
     # ---- request defaults (the operator's level of the defaults chain; None = not given) ----------------
-    default_mode: str | None = _opt("decoding mode of requests that name none (default Q)", choices=MODES)
+    default_mode: str | None = _opt("decoding mode of requests that name none (default Q)", choices=MODES,
+                                    group="decoding")
     default_max_tokens: int | None = _opt(
         "max_new_tokens / max_tokens of requests that name none (default: generation_config.json's, else 1024; "
-        "a default is always capped by the context left after the prompt)", type=int)
+        "a default is always capped by the context left after the prompt)", type=int, group="decoding")
     mbe_window: int | None = _opt(
         f"multi-block editing window (open blocks, 1..{MAX_MBE_WINDOW}) of requests that name none (default 1: "
-        "the official single-block loop; docs/mbe.md)", type=int)
+        "the official single-block loop; docs/mbe.md)", type=int, group="decoding")
     random_seed: int | None = _opt("seeds the seeds of sampled requests that bring none, so a server run can be "
-                                   "replayed (default: fresh randomness)", type=int)
+                                   "replayed (default: fresh randomness)", type=int, group="decoding")
     chat_template: str | None = _opt("a Jinja chat template (a file, or the template itself) replacing the "
-                                     "checkpoint's; rendered in the same sandbox")
+                                     "checkpoint's; rendered in the same sandbox", group="model")
     # ---- speed -----------------------------------------------------------------------------------------
-    cuda_graph_max_bs: int = _opt("largest batch replayed from a CUDA graph", default=64, type=int)
-    disable_cuda_graph: bool = _opt("run the denoising step eagerly on GPUs too", default=False, action="store_true")
+    cuda_graph_max_bs: int = _opt("largest batch replayed from a CUDA graph", default=64, type=int, group="gpu")
+    disable_cuda_graph: bool = _opt("run the denoising step eagerly on GPUs too", default=False, action="store_true",
+                                    group="gpu")
     disable_overlap: bool = _opt("never run the overlap scheduler, even with --enable-overlap (debugging: results are "
                                  "the same either way; docs/architecture.md, step 6)", default=False,
-                                 action="store_true", aliases=("--disable-overlap-schedule",))
+                                 action="store_true", aliases=("--disable-overlap-schedule",), group="scheduling")
     enable_overlap: bool = _opt("run the overlap scheduler (the next forward speculated while the host works: queued "
                                 "from its thread on CUDA, on a worker thread on CPU; off by default: it measured "
                                 "slower on CPU and, threaded, on H100/H200, docs/gpu.md)",
-                                default=False, action="store_true")
+                                default=False, action="store_true", group="scheduling")
     cpu_threads: int | None = _opt("torch threads on CPU, per rank (default: torch's choice, or the cores shared "
-                                   "out among the --tp-size ranks; 1 is best on a busy machine)", type=int)
+                                   "out among the --tp-size ranks; 1 is best on a busy machine)", type=int, group="gpu")
     # ---- HTTP server -----------------------------------------------------------------------------------
-    host: str = _opt("address to listen on", cli="serve", default="127.0.0.1")
-    port: int = _opt("port to listen on", cli="serve", default=30000, type=_port)
-    served_model_name: str | None = _opt("the model name clients use (default: the folder name)", cli="serve")
+    host: str = _opt("address to listen on", cli="serve", default="127.0.0.1", group="server")
+    port: int = _opt("port to listen on", cli="serve", default=30000, type=_port, group="server")
+    served_model_name: str | None = _opt("the model name clients use (default: the folder name)", cli="serve",
+                                         group="server")
     api_key: tuple[str, ...] = _opt(
         "require `Authorization: Bearer KEY` (repeat for several keys; /health, /live and /metrics stay open)",
-        cli="serve", default=(), action="append")
+        cli="serve", default=(), action="append", group="server")
     admin_api_key: tuple[str, ...] = _opt(
         "the key of the admin routes (/abort_request, /flush_cache): with --api-key set they need it and refuse "
-        "the ordinary keys (repeatable)", cli="serve", default=(), action="append")
-    max_body_bytes: int = _opt("larger request bodies get 413", cli="serve", default=8 * 2**20, type=int)
+        "the ordinary keys (repeatable)", cli="serve", default=(), action="append", group="server")
+    max_body_bytes: int = _opt("larger request bodies get 413", cli="serve", default=8 * 2**20, type=int,
+                               group="server")
     shutdown_timeout: float = _opt("on SIGTERM/SIGINT: seconds running requests get to finish (new ones get 503) "
-                                    "before the rest are ended with a 503", cli="serve", default=30.0, type=float)
+                                    "before the rest are ended with a 503", cli="serve", default=30.0, type=float,
+                                    group="server")
     engine_restarts: int = _opt("times a dead engine process is restarted in place before the server exits "
-                                "non-zero (for its supervisor to restart it)", cli="serve", default=3, type=int)
+                                "non-zero (for its supervisor to restart it)", cli="serve", default=3, type=int,
+                                group="server")
     max_choices_per_request: int = _opt("engine requests one HTTP request may start: /generate prompts, or "
-                                        "completions prompts x n (more: 400)", cli="serve", default=256, type=int)
+                                        "completions prompts x n (more: 400)", cli="serve", default=256, type=int,
+                                        group="server")
     domains: str = _opt("the values of the metrics' `domain` label (a request's domain outside them counts as "
-                        "`other`), comma-separated", cli="serve", default=",".join(DEFAULT_DOMAINS))
-    log_level: str = _opt("logging level", default="info", choices=LOG_LEVELS, type=str.lower)
+                        "`other`), comma-separated", cli="serve", default=",".join(DEFAULT_DOMAINS),
+                        group="observability")
+    log_level: str = _opt("logging level", default="info", choices=LOG_LEVELS, type=str.lower, group="observability")
     # ---- Python only ---------------------------------------------------------------------------------------
     progress: bool = _opt("progress bar while loading weights", cli="", default=True)
     # Benchmark baseline: every forward recomputes the whole prefix (the official generate() without a KV
@@ -140,8 +176,8 @@ class ServerArgs:
             raise ValueError(f"unknown quantization {self.quantization!r}: choose fp8 (or none)")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
-        if self.kernel_backend not in ("torch", "triton"):
-            raise ValueError(f"unknown kernel backend {self.kernel_backend!r} (choose torch or triton)")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"unknown kernel backend {self.kernel_backend!r} (choose torch, triton or auto)")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be positive, got {self.context_length}")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -162,10 +198,12 @@ class ServerArgs:
     # ---- command line ------------------------------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, groups: tuple[str, ...] = ("engine", "serve")) -> None:
+        """The flags of the fields whose `cli` is in `groups`, each in its --help section (cli_group)."""
         for f in dataclasses.fields(cls):
             meta = f.metadata
             if meta.get("cli") not in groups:
                 continue
+            section = cli_group(parser, meta["group"])
             flag = meta["flag"] or "--" + f.name.replace("_", "-")
             kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
             for key in ("type", "action"):
@@ -176,10 +214,11 @@ class ServerArgs:
             if kwargs.get("action") == "append":
                 kwargs["default"] = []
             else:
-                kwargs["default"] = f.default if f.default is not dataclasses.MISSING else None
+                python_default = f.default if f.default is not dataclasses.MISSING else None
+                kwargs["default"] = meta.get("cli_default", python_default)
                 if kwargs["default"] is not None and kwargs.get("action") is None:
                     kwargs["help"] += " (default: %(default)s)"
-            parser.add_argument(flag, *meta["aliases"], **kwargs)
+            section.add_argument(flag, *meta["aliases"], **kwargs)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> "ServerArgs":
@@ -192,3 +231,12 @@ class ServerArgs:
             if key in values:
                 values[key] = tuple(values[key] or ())
         return cls(**{**values, **overrides})
+
+
+def cli_group(parser: argparse.ArgumentParser, name: str) -> Any:
+    """The --help section `name` of `parser` (CLI_GROUPS), made on first use."""
+    title = CLI_GROUPS[name]
+    for existing in parser._action_groups:
+        if existing.title == title:
+            return existing
+    return parser.add_argument_group(title)

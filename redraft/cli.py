@@ -47,14 +47,29 @@ class _Refused(argparse.Action):
 
 
 def add_compat_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags SGLang's and vLLM's users type that have no redraft field: accepted no-ops, or refused by name."""
-    for flag in NOOP_FLAGS:
+    """The flags SGLang's and vLLM's users type that have no redraft field: accepted no-ops, or refused by name;
+    listed in --help's compatibility section (their other names of redraft's own flags sit beside those)."""
+    from redraft.protocol.server_args import cli_group
+
+    section = cli_group(parser, "compatibility")
+    for flag, why in NOOP_FLAGS.items():
         if flag in NOOP_WITH_VALUE:
-            parser.add_argument(flag, action=_NoopValue, dest="noop_flags", help=argparse.SUPPRESS)
+            section.add_argument(flag, action=_NoopValue, dest="noop_flags", metavar="NAME",
+                                 help=f"accepted, no effect: {why}")
         else:
-            parser.add_argument(flag, action="append_const", const=flag, dest="noop_flags", help=argparse.SUPPRESS)
-    for flag in REFUSED_FLAGS:
-        parser.add_argument(flag, nargs="?", action=_Refused, help=argparse.SUPPRESS)
+            section.add_argument(flag, action="append_const", const=flag, dest="noop_flags",
+                                 help=f"accepted, no effect: {why}")
+    for flag, why in REFUSED_FLAGS.items():
+        section.add_argument(flag, nargs="?", action=_Refused, metavar="X", help=f"refused: {why}")
+
+
+def quiet_stderr(args: argparse.Namespace) -> None:
+    """On a stderr that is not a terminal (a pipe, a log file), no progress bar, and `redraft generate` logs only
+    warnings unless --log-level is given: its stdout is the answer, its stderr the one summary line."""
+    tty = sys.stderr.isatty()
+    args.progress = tty
+    if getattr(args, "log_level", "info") is None:
+        args.log_level = "info" if tty else "warning"
 
 
 def engine_args(args: argparse.Namespace) -> "ServerArgs":
@@ -70,7 +85,7 @@ def engine_args(args: argparse.Namespace) -> "ServerArgs":
             setattr(args, key, [k.strip() for k in os.environ[env].split(",") if k.strip()])
     for flag in getattr(args, "noop_flags", None) or ():
         logging.getLogger("redraft").info("%s: accepted, no effect (%s)", flag, NOOP_FLAGS[flag])
-    return ServerArgs.from_cli(args)
+    return ServerArgs.from_cli(args, progress=getattr(args, "progress", True))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -142,6 +157,7 @@ def _add_engine_commands(sub: "argparse._SubParsersAction") -> None:
     from redraft.protocol.server_args import ServerArgs
 
     srv = sub.add_parser("serve", help="the HTTP server: OpenAI-compatible and SGLang-native routes",
+                         usage="%(prog)s [MODEL] [--model M] [--device auto|cpu|cuda] [--port N] [...]",
                          epilog="SGLang's and vLLM's names work too (--tensor-parallel-size, --max-model-len, "
                                 "--gpu-memory-utilization, --max-num-seqs, a positional MODEL, ...); API keys may "
                                 "come from REDRAFT_API_KEY / REDRAFT_ADMIN_API_KEY (comma-separated).")
@@ -150,37 +166,56 @@ def _add_engine_commands(sub: "argparse._SubParsersAction") -> None:
     add_compat_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
-    gen = sub.add_parser("generate", help="one prompt -> completion, offline")
+    gen = sub.add_parser("generate", help="one prompt -> completion, offline (answer on stdout, a summary on stderr)",
+                         usage="%(prog)s PROMPT [--mode S|Q] [--max-new-tokens N] [--json] [--show-steps] [...]")
+    _add_request_flags(gen)
     ServerArgs.add_cli_args(gen, ("engine",))
-    gen.add_argument("prompt")
-    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=None)
-    gen.add_argument("--mode", choices=["S", "Q", "auto"], default=None)
-    gen.add_argument("--threshold", type=float, default=None)
-    gen.add_argument("--edit-threshold", type=float, default=None)
-    gen.add_argument("--max-post-steps", type=int, default=None)
-    gen.add_argument("--decoder", choices=["levenshtein", "threshold"], default=None,
+    # log level None: info on a terminal, else warning (quiet_stderr)
+    gen.set_defaults(func=cmd_generate, log_level=None)
+    for action in gen._actions:
+        if action.dest == "log_level":
+            action.help = "logging level (default: info on a terminal, else warning)"
+
+
+def _add_request_flags(gen: argparse.ArgumentParser) -> None:
+    """`redraft generate`'s own flags: the prompt and its sampling parameters (docs/openai.md has them all)."""
+    gen.add_argument("prompt", help="the user's message (sent through the chat template unless --raw)")
+    req = gen.add_argument_group("the request")
+    req.add_argument("--raw", action="store_true", help="do not apply the chat template: the prompt is raw text")
+    req.add_argument("--max-new-tokens", type=int, default=None,
+                     help="output tokens at most (default: the checkpoint's generation_config.json, else 1024)")
+    req.add_argument("--temperature", type=float, default=None, help="0 (default): greedy, exact; > 0: sampled")
+    req.add_argument("--mode", choices=["S", "Q", "auto"], default=None,
+                     help="S: speed (threshold 0.5, edit threshold 0.0), Q: quality (0.7 / 0.5; the default), "
+                          "auto: S for code and math, else Q")
+    req.add_argument("--threshold", type=float, default=None, help="confidence above which a mask is drafted")
+    req.add_argument("--edit-threshold", type=float, default=None,
+                     help="confidence above which a drafted token is replaced (1.0: editing off)")
+    req.add_argument("--max-post-steps", type=int, default=None,
+                     help="editing forwards allowed after a block has no mask left")
+    req.add_argument("--decoder", choices=["levenshtein", "threshold"], default=None,
                      help="LLaDA2.2: the insert/delete step (default on such a checkpoint) or LLaDA2.1's")
-    gen.add_argument("--steps", type=int, default=None, help="the Levenshtein step's scheduled transfers per block")
-    gen.add_argument("--max-steps-per-block", type=int, default=None, help="the Levenshtein step's hard cap")
+    req.add_argument("--steps", type=int, default=None, help="the Levenshtein step's scheduled transfers per block")
+    req.add_argument("--max-steps-per-block", type=int, default=None, help="the Levenshtein step's hard cap")
     # dest request_seed: the request's sampling seed, never ServerArgs.seed (the seed of --load-format dummy weights)
-    gen.add_argument("--seed", dest="request_seed", type=int, default=None,
+    req.add_argument("--seed", dest="request_seed", type=int, default=None,
                      help="the request's sampling seed (temperature > 0)")
-    gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    gen.add_argument("--show-steps", action="store_true",
+    out = gen.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    out.add_argument("--show-steps", action="store_true",
                      help="draw each forward on stderr: masks, drafts by confidence, edits (redrawn in place on a "
                           "terminal, one line per forward otherwise)")
-    gen.set_defaults(func=cmd_generate)
 
 
 def _add_tool_commands(sub: "argparse._SubParsersAction") -> None:
     """make-tiny, and the client-side tools of redraft.clients: bench and plan."""
     tiny = sub.add_parser("make-tiny", help="write a tiny random LLaDA2 checkpoint (Hugging Face layout)")
-    tiny.add_argument("out")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    tiny.add_argument("--shards", type=int, default=1)
+    tiny.add_argument("out", help="the folder to write (config.json, safetensors, tokenizer)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
+    tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="the weights' dtype (default: %(default)s)")
+    tiny.add_argument("--shards", type=int, default=1, help="safetensors files to split the weights into "
+                                                            "(default: %(default)s)")
     tiny.add_argument("--llada22", action="store_true",
                       help="a LLaDA2.2 checkpoint: block routing, DELETE/SPLIT tokens, the Levenshtein step's defaults")
     tiny.set_defaults(func=cmd_make_tiny)
@@ -233,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("train-demo", "eval-demo"):
         return _demo_command(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
+    quiet_stderr(args)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

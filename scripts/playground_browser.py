@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 CHROMIUM = "/usr/bin/chromium"
-PROMPT = "Count from 310 to 345."
+PROMPT = "Count from 310 to 345."  # three blocks; the page's own default prompt is a shorter one (DEFAULT_PROMPT)
 VIEWPORT = {"width": 1280, "height": 760}
 
 # What the page keeps of each column (window.playground: the frames it drew, its counts, its final text).
 COLUMNS_JS = """() => window.playground.columns.map((c) => ({
   title: c.title, frames: c.frames, finalText: c.finalText, error: c.error, done: c.done,
-  framesWithMasks: c.framesWithMasks,
+  framesWithMasks: c.framesWithMasks, tokenCounts: c.tokenCounts,
   counts: Object.fromEntries(["forwards", "tokens", "tpf", "edits"].map(
     (k) => [k, c.node.querySelector("." + k).textContent])),
 }))"""

@@ -190,6 +190,8 @@ async def detokenize(body: DetokenizeBody, state: State):
 @router.get("/tokenizer_info")
 async def tokenizer_info(state: State):
     tok = state.tokenizer
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+    # eos_token_ids: every id that ends an output (generation_config.json's list too); the playground reads it
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token,
+            "eos_token_ids": sorted(tok.eos_token_ids), "bos_token": tok.bos_token,
             "pad_token": tok.pad_token, "mask_token": tok.mask_token, "chat_template": tok.chat_template,
             "model_max_length": state.max_model_len, "vocab_size": tok.vocab_size}

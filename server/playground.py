@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib.resources import files
 
 from fastapi import APIRouter
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import Response
 
 STATIC = files("redraft.server") / "static"
 FILES = {"playground.js": "text/javascript; charset=utf-8", "playground.css": "text/css; charset=utf-8"}
@@ -17,17 +17,15 @@ PATHS = frozenset({"/playground", "/playground/", *(f"/playground/{name}" for na
 router = APIRouter()
 
 
-@router.get("/playground", include_in_schema=False)
-async def playground_redirect() -> Response:
-    return RedirectResponse("/playground/", status_code=307)  # the page's relative links resolve under it
-
-
-@router.get("/playground/", include_in_schema=False)
+# GET and HEAD (link checkers, `curl -I`); the page's <base href="/playground/"> resolves its relative links the
+# same under both paths
+@router.api_route("/playground", methods=["GET", "HEAD"], include_in_schema=False)
+@router.api_route("/playground/", methods=["GET", "HEAD"], include_in_schema=False)
 async def playground_page() -> Response:
     return _static("playground.html", "text/html; charset=utf-8")
 
 
-@router.get("/playground/{name}", include_in_schema=False)
+@router.api_route("/playground/{name}", methods=["GET", "HEAD"], include_in_schema=False)
 async def playground_file(name: str) -> Response:
     if name not in FILES:
         return Response(status_code=404)

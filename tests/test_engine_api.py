@@ -35,6 +35,21 @@ def test_text_prompt_returns_text_ids_and_meta(engine):
         assert out["output_ids"][-1] == engine.tokenizer.eos_token_id
 
 
+def test_messages_are_rendered_with_the_chat_template(engine):
+    chat = [{"role": "user", "content": "The cat sees the river"}]
+    params = {"max_new_tokens": 24}
+    out = engine.generate(messages=chat, sampling_params=params)
+    assert out == {**engine.generate(input_ids=engine.tokenizer.encode_chat(chat), sampling_params=params),
+                   "meta_info": out["meta_info"]}
+    assert out["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode_chat(chat))
+    other = [{"role": "user", "content": "one two"}]
+    outs = engine.generate(messages=[chat, other], sampling_params=params)  # a list of chats: a list of answers
+    assert [o["output_ids"] for o in outs] == [out["output_ids"],
+                                               engine.generate(messages=other, sampling_params=params)["output_ids"]]
+    with pytest.raises(ValueError, match="exactly one of"):
+        engine.generate(messages=chat, prompt="x")
+
+
 def test_list_in_list_out_in_order(engine):
     prompts = ["one two", "three", "four five six"]
     outs = engine.generate(prompt=prompts, sampling_params={"max_new_tokens": 8})

@@ -30,7 +30,7 @@ class _Client:
 
 
 def _state(**kwargs) -> ServerState:
-    tokenizer = SimpleNamespace(vocab_size=64, eos_token="<eos>", bos_token=None, pad_token=None, mask_token="<m>",
+    tokenizer = SimpleNamespace(vocab_size=64, eos_token="<eos>", eos_token_ids=frozenset({3, 1}), bos_token=None, pad_token=None, mask_token="<m>",
                                 chat_template=None)
     return ServerState(_Client(), tokenizer, "tiny", "/models/tiny", **kwargs)
 
@@ -52,7 +52,7 @@ def test_a_router_serves_from_an_app_of_its_own() -> None:
         "message": "The model `other` does not exist.", "type": "invalid_request_error", "param": "model",
         "code": "model_not_found"}
     info = TestClient(_app_with(likelihood_api.router, _state())).get("/tokenizer_info").json()
-    assert info["vocab_size"] == 64 and info["model_max_length"] == 128
+    assert info["vocab_size"] == 64 and info["model_max_length"] == 128 and info["eos_token_ids"] == [1, 3]
     assert TestClient(_app_with(native_api.router, _state())).get("/live").status_code == 200
 
 

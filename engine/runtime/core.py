@@ -31,7 +31,7 @@ from redraft.engine.text.grammar_sandbox import GrammarSandbox
 from redraft.engine.text.likelihood import MAX_VARIANTS as MAX_SCORE_VARIANTS  # (the HTTP routes check it first)
 from redraft.engine.runtime.overlap import Overlap, off_reason
 from redraft.engine.runtime.scoring import CHUNK_TOKENS, ScoreJob, Scoring, Values
-from redraft.engine.runtime.startup import start_engine
+from redraft.engine.runtime.startup import resolve_placement, start_engine
 from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, RequestOutput, ScoreResult
 from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams, SamplingParams, resolve
@@ -62,7 +62,7 @@ class _Progress:
 
 class EngineCore:
     def __init__(self, args: ServerArgs):
-        self.args = args
+        self.args = args = resolve_placement(args)  # device and kernel backend "auto" decided here, with torch
         parts = start_engine(args)
         self.model_path, self.model_config, self.tokenizer = parts.model_path, parts.model_config, parts.tokenizer
         self.default_levels = parts.default_levels

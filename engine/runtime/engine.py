@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from redraft.engine.runtime.core import EngineCore
 from redraft.engine.text.output_stream import OutputStream
@@ -41,19 +41,16 @@ class Engine:
         sampling_params: dict | SamplingParams | Sequence[dict | SamplingParams] | None = None,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         on_event: Callable[[dict], None] | None = None,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]] | None = None,
     ) -> dict | list[dict]:
-        """Generate for one prompt (a dict) or several (a list). A request with `stream_denoise` gets its forward
-        events (docs/denoise.md) in the result's `denoise` list, and each is passed to `on_event` as it comes
-        (its `index`: the prompt's)."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt= or input_ids=")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            prompts = [prompt] if single else list(prompt)
-            id_lists = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            single = len(input_ids) == 0 or isinstance(input_ids[0], int)
-            id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
+        """Generate for one prompt (a dict) or several (a list). Give exactly one of `messages` (a chat: a list
+        of {"role", "content"} dicts, or a list of such chats; rendered with the model's chat template, as
+        /v1/chat/completions does), `prompt` (raw text, no template) or `input_ids`. A request with
+        `stream_denoise` gets its forward events (docs/denoise.md) in the result's `denoise` list, and each is
+        passed to `on_event` as it comes (its `index`: the prompt's)."""
+        if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
+            raise ValueError("give exactly one of messages=, prompt= or input_ids=")
+        single, id_lists = self._encode(prompt, input_ids, messages)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(id_lists):
                 raise ValueError(f"{len(sampling_params)} sampling_params for {len(id_lists)} prompts")
@@ -109,6 +106,18 @@ class Engine:
         self.shutdown()
 
     # ---- internals ----------------------------------------------------------------------------------
+    def _encode(self, prompt: Any, input_ids: Any, messages: Any) -> tuple[bool, list[list[int]]]:
+        """(one request?, the token ids of each request) from whichever of the three forms was given."""
+        if messages is not None:
+            single = len(messages) == 0 or isinstance(messages[0], Mapping)
+            chats = [messages] if single else list(messages)
+            return single, [self.tokenizer.encode_chat(list(chat)) for chat in chats]
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            return single, [self.tokenizer.encode(p) for p in ([prompt] if single else list(prompt))]
+        single = len(input_ids) == 0 or isinstance(input_ids[0], int)
+        return single, [list(input_ids)] if single else [list(x) for x in input_ids]
+
     def _run(self, id_lists: list[list[int]], params: list[SamplingParams],
              on_events: Callable[[int, list[dict]], None] | None = None) -> list[OutputStream]:
         core = self.core

@@ -55,6 +55,37 @@ def read_generation_config(model_path: Path | None) -> Defaults:
     return Defaults.from_generation_config(raw if isinstance(raw, dict) else {})
 
 
+def pick_placement(device: str, kernel_backend: str, cuda_available: bool, triton_available: bool
+                   ) -> tuple[str, str, str]:
+    """(device, kernel backend, why) for the requested values, "auto" resolved: cuda when torch sees one, and the
+    Triton kernels on cuda (the CUDA-graph denoising step needs them) when triton imports; torch on cpu, where
+    Triton only runs interpreted."""
+    why = []
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+        why.append("torch sees a CUDA device" if cuda_available else "torch sees no CUDA device")
+    if kernel_backend == "auto":
+        on_gpu = torch.device(device).type == "cuda"
+        kernel_backend = "triton" if on_gpu and triton_available else "torch"
+        why.append("the backend follows the device" if not on_gpu or triton_available
+                   else "triton does not import: pip install triton for the fused kernels and CUDA graphs")
+    return device, kernel_backend, "; ".join(why) or "as given"
+
+
+def resolve_placement(args: ServerArgs) -> ServerArgs:
+    """`args` with device and kernel backend decided (never "auto"), said in one log line."""
+    if args.device != "auto" and args.kernel_backend != "auto":
+        return args
+    import importlib.util
+
+    device, backend, why = pick_placement(args.device, args.kernel_backend, torch.cuda.is_available(),
+                                          importlib.util.find_spec("triton") is not None)
+    name = f" ({torch.cuda.get_device_name(torch.device(device))})" if torch.device(device).type == "cuda" else ""
+    log.info("device %s%s, kernel backend %s (%s; --device / --kernel-backend to choose)", device, name, backend,
+             why)
+    return args.replace(device=device, kernel_backend=backend)
+
+
 def start_engine(args: ServerArgs) -> EngineParts:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={args.device!r}, but this torch ({torch.__version__}) sees no CUDA device")

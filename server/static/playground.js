@@ -61,7 +61,7 @@ function newColumn(title) {
   $("columns").appendChild(node);
   const column = { title, node, frames: [], forwards: 0, edits: 0, tokens: 0, committed: 0, masks: 0, text: "",
     finalText: null, summary: null, error: null, done: false, seen: new Map(), seenEnd: 0,
-    framesWithMasks: 0 };
+    framesWithMasks: 0, tokenCounts: [] };
   state.columns.push(column);
   return column;
 }
@@ -106,12 +106,10 @@ function drawFrame(column, event) {
   column.committed = event.committed_tokens;
   if (event.event !== "forward") { drawCounts(column); return; }
   const w = event.window;
-  let placed = 0;
   let row = null;
   w.tokens.forEach((id, i) => {
     const pos = w.offset + i;
     if (w.states[i] === "edited" && !event.opening) column.edits += 1;
-    if (w.states[i] !== "mask") placed += 1;
     if (pos < event.committed_tokens) return;  // settled: shown in the committed text
     if (!row || (event.prompt_tokens + pos) % w.block_size === 0) {  // one row per block of the open window
       row = document.createElement("div");
@@ -122,10 +120,27 @@ function drawFrame(column, event) {
   });
   column.masks = w.states.filter((s) => s === "mask").length;
   if (holder.querySelector(".cell.mask")) column.framesWithMasks += 1;
-  column.tokens = Math.max(column.tokens, w.offset + placed);
+  column.tokens = answerTokens(w);
   const f = column.node.querySelector(".frame");
   f.textContent = "forward " + event.forward + (column.masks ? " \u00b7 " + column.masks + " masks left" : "");
   drawCounts(column);
+}
+
+// The output tokens the answer holds if nothing changes any more: those before the window, then the window's placed
+// positions up to its first end-of-text token, included (as usage counts it). A short answer's block fills up
+// with drafted end-of-text cells: they are not part of it.
+function answerTokens(w) {
+  let n = w.offset;
+  for (let i = 0; i < w.tokens.length; i++) {
+    if (w.states[i] === "mask") continue;
+    n += 1;
+    if (isEnd(w.tokens[i], w.pieces[i])) break;
+  }
+  return n;
+}
+
+function isEnd(id, piece) {
+  return state.eosIds ? state.eosIds.has(id) : piece === "<|endoftext|>";
 }
 
 // A block opens all-mask: before the first forward that shows new positions, a frame of them as grey cells
@@ -150,6 +165,7 @@ function rememberWindow(column, w) {
 
 function drawCounts(column) {
   const q = (sel) => column.node.querySelector(sel);
+  column.tokenCounts.push(column.tokens);  // every value shown, for the browser test
   q(".forwards").textContent = column.forwards;
   q(".tokens").textContent = column.tokens;
   q(".tpf").textContent = column.forwards ? (column.tokens / column.forwards).toFixed(2) : "-";
@@ -246,6 +262,9 @@ async function loadModel() {
   const response = await fetch("/v1/models", { headers: headers() });
   if (!response.ok) throw new Error("GET /v1/models: " + response.status + (response.status === 401 ? " (type the API key)" : ""));
   state.model = (await response.json()).data[0].id;
+  const info = await fetch("/tokenizer_info", { headers: headers() });  // the ids that end an answer
+  const ids = info.ok ? (await info.json()).eos_token_ids : null;
+  state.eosIds = ids && ids.length ? new Set(ids) : null;
 }
 
 function syncThresholds() {
