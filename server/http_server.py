@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from typing import Any
-
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,6 +25,7 @@ from redraft.protocol.errors import RequestError
 from redraft.server import likelihood_api, native_api, openai_api, playground, responses_api
 from redraft.server.common import ServerState, error_response
 from redraft.server.middleware import install_middleware
+from redraft.server.openapi_doc import openapi_document
 from redraft.server.routing import DepthCheckedRoute
 
 log = logging.getLogger("redraft.http")
@@ -39,7 +38,7 @@ ROUTERS: tuple[APIRouter, ...] = (openai_api.router, likelihood_api.router, resp
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="redraft", version="0.1.0", lifespan=lifespan)
     app.router.route_class = DepthCheckedRoute  # every route parses its body through the depth check
-    app.openapi = lambda: _openapi_with_400(app)
+    app.openapi = lambda: openapi_document(app)  # every answer declared (server/openapi_doc.py)
     app.state.redraft = state  # what the routes' `State` dependency hands them (server/routing.py)
     install_middleware(app, state)
     for router in ROUTERS:
@@ -104,18 +103,3 @@ def _unknown_v1_route(path: str) -> str:
     routes = sorted({r.path for router in ROUTERS for r in router.routes if getattr(r, "path", "").startswith("/v1/")})
     why = " (this server runs a generative model: it has no embeddings)" if path.startswith("/v1/embeddings") else ""
     return f"no route {path}{why}; the OpenAI routes here are {', '.join(routes)}"
-
-
-def _openapi_with_400(app: FastAPI) -> dict[str, Any]:
-    """FastAPI documents validation errors as 422; this server answers them with 400 (OpenAI's choice)."""
-    if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for path in schema.get("paths", {}).values():
-            for op in path.values():
-                responses = op.get("responses", {})
-                if "422" in responses:
-                    responses["400"] = {**responses.pop("422"), "description": "Invalid request"}
-        app.openapi_schema = schema
-    return app.openapi_schema

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from redraft.engine.text.output_stream import OutputStream
@@ -94,7 +94,7 @@ async def version():
     return {"version": package_version("redraft")}
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses={200: {"description": "Healthy (an empty body)"}})
 async def health(state: State):
     if state.draining:  # load balancers: stop sending here
         return error_response(RequestError("the server is shutting down", status=503, code="shutting_down"))
@@ -106,7 +106,7 @@ async def health(state: State):
     return Response(status_code=200)
 
 
-@router.get("/live")
+@router.get("/live", response_class=Response, responses={200: {"description": "Live (an empty body)"}})
 async def live(state: State):
     """Liveness: the HTTP process answers and its engine is running or being restarted (no engine round trip;
     /health checks the engine). 503 once the engine could not be restarted (the server is exiting)."""
@@ -139,7 +139,8 @@ async def model_info(state: State):
             "max_model_len": state.max_model_len}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text exposition format"}})
 async def metrics(state: State):
     try:
         state.metrics.set_engine_stats(await state.client.ping(timeout=2.0), state.client.info)
