@@ -44,6 +44,7 @@ CLI_GROUPS = {
     "scheduling": "memory and scheduling",
     "decoding": "decoding defaults of requests that name none (docs/openai.md)",
     "server": "HTTP server",
+    "limits": "limits on clients (docs/operations.md)",
     "observability": "observability (docs/observability.md)",
     "compatibility": "SGLang's and vLLM's flags: accepted with no effect, or refused with what to use instead",
 }
@@ -161,6 +162,17 @@ class ServerArgs:
     domains: str = _opt("the values of the metrics' `domain` label (a request's domain outside them counts as "
                         "`other`), comma-separated", cli="serve", default=",".join(DEFAULT_DOMAINS),
                         group="observability")
+    # ---- limits on clients (docs/operations.md, "Limits on connections") ---------------------------------------
+    max_connections: int = _opt("open client connections at most; more are answered 503 too_many_connections and "
+                                "closed (lowered to fit `ulimit -n`, less 320)", cli="serve", default=512, type=int,
+                                group="limits")
+    header_timeout: float = _opt("seconds a request's headers may take from its first byte (from the connect, for "
+                                 "a connection's first request); then 408 and the connection is closed",
+                                 cli="serve", default=10.0, type=float, group="limits")
+    body_timeout: float = _opt("seconds a request's body may take after its headers; then 408 and the connection "
+                               "is closed", cli="serve", default=60.0, type=float, group="limits")
+    keep_alive_timeout: int = _opt("seconds an idle keep-alive connection stays open", cli="serve", default=5,
+                                   type=int, group="limits")
     log_level: str = _opt("logging level", default="info", choices=LOG_LEVELS, type=str.lower, group="observability")
     # ---- Python only ---------------------------------------------------------------------------------------
     progress: bool = _opt("progress bar while loading weights", cli="", default=True)
@@ -182,6 +194,9 @@ class ServerArgs:
             raise ValueError(f"context_length must be positive, got {self.context_length}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self.request_defaults()  # range checks
 
     @property

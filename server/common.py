@@ -26,6 +26,7 @@ from redraft.protocol.sampling_params import SamplingParams
 from redraft.protocol.server_args import ServerArgs
 from redraft.server.engine_client import EngineClient, EngineDead, EngineStream, ServerDraining
 from redraft.server.metrics import ServerMetrics
+from redraft.server.openai_protocol import UnsupportedValue
 from redraft.server.param_names import RouteNames
 
 log = logging.getLogger("redraft.http")
@@ -298,6 +299,20 @@ def sse(payload: Any) -> str:
 # echo and meta_info carry the client's id; the admin's /abort_request takes the client's id (every key's
 # request of that id is ended) or the scoped one. Without API keys every client is one principal: no scope.
 _SCOPE_SEP = "/"
+
+
+MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}")  # X-Request-Id, /generate's rid
+_SCOPED_ID = re.compile(rf"(?:[0-9a-f]{{16}}/)?[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}")
+
+
+def check_request_id(rid: str | None, param: str, scoped: bool = False) -> str | None:
+    """A client's request id is 1-128 characters of A-Z a-z 0-9 . _ : - (it reaches logs and other ids);
+    `scoped`: the engine's `<scope>/<id>` too. A ValueError naming `param` otherwise."""
+    if rid is None or (_SCOPED_ID if scoped else REQUEST_ID).fullmatch(rid):
+        return rid
+    raise UnsupportedValue(param, f"{param} must be 1-{MAX_REQUEST_ID_CHARS} characters of A-Z a-z 0-9 . _ : - "
+                                  "(as X-Request-Id)")
 
 
 def key_scope(api_key: str) -> str:

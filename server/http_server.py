@@ -29,6 +29,7 @@ from redraft.server.openapi_doc import openapi_document
 from redraft.server.routing import DepthCheckedRoute
 
 log = logging.getLogger("redraft.http")
+MAX_PARAM_CHARS = 200
 
 # in this order in the OpenAPI document
 ROUTERS: tuple[APIRouter, ...] = (openai_api.router, likelihood_api.router, responses_api.router, native_api.router,
@@ -71,6 +72,8 @@ async def validation_error(request: Request, exc: RequestValidationError):
     err = exc.errors()[0] if exc.errors() else {}
     loc = [str(x) for x in err.get("loc", []) if x != "body"]
     param = ".".join(loc) or getattr(err.get("ctx", {}).get("error"), "param", None)
+    if param is not None and len(param) > MAX_PARAM_CHARS:  # a field name is the client's: never echo megabytes
+        param = param[:MAX_PARAM_CHARS] + "…"
     msg = err.get("msg", "invalid request").removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
         msg = f"unsupported field: {param}"

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from redraft.engine.runtime.child_process import end_children
 from redraft.engine.model.model_path import resolve_model_path
 from redraft.engine.text.tokenizer import Tokenizer
+from redraft.protocol.log_safety import RateLimitedLoopErrors, install_log_safety
 from redraft.protocol.server_args import ServerArgs
 from redraft.server.common import ServerState
+from redraft.server.connections import ACCEPT_BATCH, ConnectionLimits, effective_max_connections, guarded_protocol
 from redraft.server.engine_client import EngineClient, ServerDraining
 from redraft.server.http_server import create_app
 from redraft.server.metrics import parse_domains
@@ -49,6 +52,7 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(RateLimitedLoopErrors())  # accept() out of fds: not a line per loop turn
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -153,8 +157,13 @@ def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: s
     app = create_app(state)
     log.info("settings: %s", effective_settings(args, info, name))
     log.info("serving %r on http://%s:%d", name, args.host, listener.getsockname()[1])
+    limits = ConnectionLimits(effective_max_connections(args.max_connections), args.header_timeout,
+                              args.body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
+                            backlog=ACCEPT_BATCH,
+                            http=guarded_protocol(AutoHTTPProtocol, limits))
+    install_log_safety()  # after uvicorn configured its loggers: every record one bounded line
     server = DrainingServer(config, state, args.shutdown_timeout)
     client.on_fatal.append(lambda: setattr(server, "should_exit", True))  # the engine is gone for good
     server.run(sockets=[listener])

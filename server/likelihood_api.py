@@ -20,7 +20,7 @@ from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.server.common import ServerState, check_model, engine_error, run_until_disconnect
 from redraft.server.engine_client import EngineDead
-from redraft.server.openai_protocol import reject_lone_surrogates, text_chars
+from redraft.server.openai_protocol import reject_lone_surrogates, reject_loose_booleans, text_chars
 from redraft.server.param_names import PROMPT_LOGPROBS, SCORE
 from redraft.server.routing import DepthCheckedRoute, State
 
@@ -75,7 +75,7 @@ class Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        return reject_lone_surrogates(data)
+        return reject_loose_booleans(cls, reject_lone_surrogates(data))
 
 
 class ScoreItem(Strict):

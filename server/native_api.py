@@ -16,21 +16,21 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.server.common import (RETRY_AFTER, ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
-                                   check_model, check_token_ids, client_rid, engine_error, engine_rid, error_response, run_all,
-                                   run_until_disconnect, sse, sse_error, start_streams)
+                                   check_model, check_request_id, check_token_ids, client_rid, engine_error, engine_rid,
+                                   error_response, run_all, run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.denoise import denoise_sse
 from redraft.server.dials import DIALS, DialError, lift_dials
 from redraft.server.engine_client import EngineDead
 from redraft.server.likelihood_api import all_prompt_logprobs
 from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.openai_api import aborted_error
-from redraft.server.openai_protocol import reject_lone_surrogates
+from redraft.server.openai_protocol import reject_lone_surrogates, reject_loose_booleans
 from redraft.server.param_names import RouteNames, generate_names
 from redraft.server.routing import DepthCheckedRoute, State
 from redraft.server.structured import check_native_constraint
@@ -47,7 +47,7 @@ class GenerateBody(BaseModel):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
-    rid: str | None = None
+    rid: str | None = None  # as X-Request-Id: checked below
     # SGLang's logprob fields: output logprobs (return_logprob), the prompt's from logprob_start_len (-1: none),
     # top_logprobs_num alternatives at each position; entries are [logprob, id, text], text None unless asked
     return_logprob: bool = False
@@ -72,12 +72,22 @@ class GenerateBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:  # lone surrogates would fail the tokenizer or the reply: a 500
-        return reject_lone_surrogates(data)
+        return reject_loose_booleans(cls, reject_lone_surrogates(data))
+
+    @field_validator("rid")
+    @classmethod
+    def _plain_rid(cls, rid: str | None) -> str | None:
+        return check_request_id(rid, "rid")
 
 
 class AbortBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    rid: str
+    rid: str  # a client's id, or the engine's scoped one: checked below
+
+    @field_validator("rid")
+    @classmethod
+    def _plain_rid(cls, rid: str) -> str:
+        return check_request_id(rid, "rid", scoped=True)
 
     @model_validator(mode="before")
     @classmethod

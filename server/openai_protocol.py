@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -128,6 +129,25 @@ def reject_lone_surrogates(data: Any) -> Any:
     return data
 
 
+def _is_bool_field(annotation: Any) -> bool:
+    """bool, or bool | None."""
+    return annotation is bool or (get_origin(annotation) in (Union, UnionType)
+                                  and set(get_args(annotation)) == {bool, type(None)})
+
+
+def reject_loose_booleans(model: type[BaseModel], data: Any) -> Any:
+    """A flag is a JSON boolean: pydantic would read 1, "true", "yes" or "on" as true (and so slip past a check
+    of `is True`); every bool field of `model` refuses anything but true, false (or null where allowed)."""
+    if not isinstance(data, dict):
+        return data
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        value = data.get(key)
+        if value is not None and not isinstance(value, bool) and _is_bool_field(info.annotation):
+            raise UnsupportedValue(key, f"{key} must be true or false (a JSON boolean), got {str(value)[:32]!r}")
+    return data
+
+
 def merge_extra_body(data: Any) -> Any:
     """`extra_body` sent literally in the JSON (as curl users copy it from SDK examples, where the SDK would have
     merged it) is merged into the request; a field given both ways is an error."""
@@ -153,7 +173,7 @@ class Strict(BaseModel):
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            return reject_loose_booleans(cls, {k: v for k, v in data.items() if v is not None})
         return data
 
 

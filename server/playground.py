@@ -15,6 +15,16 @@ FILES = {"playground.js": "text/javascript; charset=utf-8", "playground.css": "t
 PATHS = frozenset({"/playground", "/playground/", *(f"/playground/{name}" for name in FILES)})  # no key needed
 
 router = APIRouter()
+# Its own files only: no inline script, no framing by another site (clickjacking a page that holds a typed key),
+# no type sniffing. Inline style attributes stay allowed (the legend's colour samples).
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "style-src-attr 'unsafe-inline'; img-src 'self' data:; connect-src 'self'; "
+                               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 # GET and HEAD (link checkers, `curl -I`); the page's <base href="/playground/"> resolves its relative links the
@@ -33,4 +43,5 @@ async def playground_file(name: str) -> Response:
 
 
 def _static(name: str, media_type: str) -> Response:
-    return Response((STATIC / name).read_bytes(), media_type=media_type, headers={"Cache-Control": "no-cache"})
+    return Response((STATIC / name).read_bytes(), media_type=media_type,
+                    headers={"Cache-Control": "no-cache", **SECURITY_HEADERS})

@@ -29,7 +29,7 @@ from redraft.server.dials import DIALS
 from redraft.server.openai_api import (aborted, aborted_error, diffusion_stats, forced_tool_call, split_tool_output,
                                        start_chat)
 from redraft.server.openai_protocol import (ChatCompletionRequest, Strict, UnsupportedValue, drop_ignored_fields,
-                                            merge_extra_body, reject_lone_surrogates)
+                                            merge_extra_body, reject_lone_surrogates, reject_loose_booleans)
 from redraft.server.routing import DepthCheckedRoute, State
 
 # Responses fields that change nothing here (besides the chat ones in openai_protocol.IGNORED_FIELDS)
@@ -67,6 +67,7 @@ class ResponsesRequest(Strict):
         data = merge_extra_body(reject_lone_surrogates(data))
         if not isinstance(data, dict):
             return data
+        reject_loose_booleans(cls, data)  # before `store` is read (and dropped): "true" or 1 is no boolean
         if data.get("store") is True:
             raise UnsupportedValue("store", "store=true is not supported: this server keeps no responses "
                                             "(send store=false, or leave it out)")
@@ -156,6 +157,8 @@ def _tool_choice(choice: Any) -> Any:
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise RequestError("text.format must be an object such as {\"type\": \"json_object\"}", param="text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

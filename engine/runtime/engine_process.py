@@ -23,6 +23,7 @@ from redraft.protocol.messages import (
     AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq, PingReq, Pong, Rejected,
     ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
 )
+from redraft.protocol.log_safety import install_log_safety
 from redraft.protocol.server_args import ServerArgs
 
 log = logging.getLogger("redraft.engine_process")
@@ -34,6 +35,7 @@ def run_engine_process(args: ServerArgs, recv_addr: str, send_addr: str) -> None
     """Entry point of the child process (multiprocessing 'spawn'). This module imports no torch at the top,
     so that the HTTP process can name this function without loading the model stack."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_safety(("",))  # request ids and refusal reasons come from clients: one bounded line each
     parent = shield_from_group_signals()  # the HTTP process drains, then shuts us down; we die with it
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
