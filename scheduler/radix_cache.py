@@ -12,6 +12,11 @@ Pages returned by :meth:`RadixCache.match_prefix` stay owned by the tree; a requ
 :meth:`RadixCache.inc_lock` the returned node so they are not evicted under it, and ``dec_lock`` it when done.
 So ``pool.num_free + cache.cached_pages + pages held by live requests == pool.capacity`` at all times.
 
+Weight versions: K/V depend on the weights that computed them, so the tree has one root per weight version and
+lookups and insertions go through the current one only (:meth:`RadixCache.new_version`, called at every weight
+update). A block cached under old weights is never matched again, even when it is not flushed (a frozen request
+still reads it); its pages leave through LRU eviction like any other, oldest first.
+
 Torch-free: plain dicts, lists and a heap, unit-tested in milliseconds.
 """
 
@@ -88,6 +93,8 @@ class RadixCache:
         self.block_size = block_size
         self._ids = itertools.count()
         self.root = RadixNode(next(self._ids), [], [], None)
+        self.version = 0  # the weight version whose K/V the current root's tree holds; only increases
+        self._retired: set[RadixNode] = set()  # roots of earlier versions that still hold pages or locks
         self._clock = 0
         self._owned: set[int] = set()  # every page the tree holds; guards against double ownership
         self._protected = 0  # pages in locked nodes
@@ -145,10 +152,10 @@ class RadixCache:
     def inc_lock(self, node: RadixNode) -> None:
         """Lock ``node`` and all its ancestors: their pages cannot be evicted until the matching ``dec_lock``.
         Locking the root (an empty match) is allowed and protects nothing."""
-        if node.parent is None and node is not self.root:
+        if node.parent is None and not self._is_root(node):
             raise ValueError(f"{node!r} is no longer in the cache (evicted or reset); lock handles right after a match")
         while node is not None:
-            if node.lock_ref == 0 and node is not self.root:
+            if node.lock_ref == 0 and not self._is_root(node):
                 self._protected += len(node.pages)
                 self._evictable_leaves.discard(node)
             node.lock_ref += 1
@@ -160,7 +167,7 @@ class RadixCache:
             raise ValueError(f"dec_lock on unlocked {node!r}")
         while node is not None:
             node.lock_ref -= 1
-            if node.lock_ref == 0 and node is not self.root:
+            if node.lock_ref == 0 and not self._is_root(node):
                 self._protected -= len(node.pages)
                 if not node.children:
                     self._evictable_leaves.add(node)
@@ -250,7 +257,7 @@ class RadixCache:
             del parent.children[first_block]
             node.parent = None  # detach: stale handles now fail loudly in inc_lock
             self._evictable_leaves.discard(node)
-            if parent is not self.root and parent.lock_ref == 0 and not parent.children:
+            if not self._is_root(parent) and parent.lock_ref == 0 and not parent.children:
                 self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self._owned.difference_update(freed)
@@ -266,17 +273,37 @@ class RadixCache:
         """
         if self._protected:
             return False
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            node.parent = None
-        self.root.children.clear()
+        for root in (self.root, *self._retired):
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                node.parent = None
+            root.children.clear()
+        self._retired = {r for r in self._retired if r.lock_ref}  # (an empty match's lock on an old root)
         self._evictable_leaves.clear()
         pages = list(self._owned)
         self._owned.clear()
         self.pool.free(pages)
         return True
+
+    # --------------------------------------------------------------------------------------------- versions
+    def new_version(self, flush: bool = True) -> int:
+        """The weights changed: from now on lookups and insertions use a new, empty tree, so no K/V computed
+        under the old weights is ever matched again. With ``flush`` every unlocked page of the old trees is
+        freed now (the locked ones stay with the requests that read them, and go by LRU eviction once they
+        are unlocked). Returns the new version."""
+        self._retired = {r for r in self._retired if r.children or r.lock_ref}
+        if self.root.children or self.root.lock_ref:
+            self._retired.add(self.root)
+        self.version += 1
+        self.root = RadixNode(next(self._ids), [], [], None)
+        if flush:
+            self.evict(self.evictable_pages)  # (the new tree is empty: only old blocks are evictable)
+        return self.version
+
+    def _is_root(self, node: RadixNode) -> bool:
+        return node is self.root or node in self._retired
 
     # --------------------------------------------------------------------------------------------- internals
     def _to_blocks(self, token_ids: Sequence[int], n: int) -> list[Block]:
@@ -353,10 +380,10 @@ class RadixCache:
         seen: list[int] = []
         protected = 0
         leaves: set[RadixNode] = set()
-        stack = [self.root]
+        stack = [self.root, *self._retired]
         while stack:
             node = stack.pop()
-            if node is not self.root:
+            if not self._is_root(node):
                 if not node.blocks or len(node.blocks) != len(node.pages):
                     fail(f"{node!r} has {len(node.blocks)} blocks and {len(node.pages)} pages")
                 if any(len(b) != self.block_size for b in node.blocks):
@@ -371,7 +398,7 @@ class RadixCache:
             for key, child in node.children.items():
                 if child.parent is not node or child.blocks[0] != key:
                     fail(f"{child!r} is filed under the wrong parent or key")
-                if node is not self.root and child.last_access > node.last_access:
+                if not self._is_root(node) and child.last_access > node.last_access:
                     fail(f"{child!r} was used more recently than its parent")
                 stack.append(child)
         if len(seen) != len(set(seen)) or set(seen) != self._owned:

@@ -168,6 +168,7 @@ class Bookkeeping:
     pages: list[int] = field(default_factory=list)
     cache_node: RadixNode | None = None
     exact_blocks: int = 0
+    kv_version: int = 0  # the radix cache's weight version when admitted: its K/V are cached only under it
 
     @property
     def tree_blocks(self) -> int:

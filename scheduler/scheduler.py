@@ -131,6 +131,10 @@ class Scheduler:
         self.pages_held_elsewhere: Callable[[], bool] = lambda: False
         # Requests whose committed output changed or that finished since the last drain.
         self._updated: dict[str, Request] = {}
+        # The training control plane (engine/runtime/weight_update.py): no admission while a weight update waits
+        # for the running requests or generation is paused; `frozen`: no forward at all (pause mode in_place).
+        self.hold_admission = False
+        self.frozen = False
 
     # ---- queue ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -188,6 +192,28 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_progress(self) -> bool:
+        """Whether `schedule` would give work now (not while frozen, nor only held-back requests waiting)."""
+        return not self.frozen and bool(self.running or (self.waiting and not self.hold_admission))
+
+    def abort_all(self, reason: FinishReason, waiting_reason: FinishReason | None = None) -> int:
+        """End every request (running as `reason`, the ones never admitted as `waiting_reason`); how many."""
+        reqs = [(r, reason) for r in self.running] + [(r, waiting_reason or reason) for r in self.waiting]
+        self.waiting.clear()
+        for req, why in reqs:
+            if why is not reason and req.book.admitted:
+                why = reason  # (preempted: it had started)
+            self._finish(req, why)
+        return len(reqs)
+
+    def retract_all(self) -> int:
+        """Every running request back to the queue (pages released, exact blocks cached); how many."""
+        reqs = sorted(self.running, key=lambda r: r.book.arrival, reverse=True)
+        for req in reqs:  # the newest first, so the oldest ends up at the head of the queue
+            self._preempt(req)
+        self.num_preemptions -= len(reqs)  # (not for lack of pages)
+        return len(reqs)
+
     def drain_updates(self) -> list[Request]:
         out = list(self._updated.values())
         self._updated.clear()
@@ -199,10 +225,13 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------------
     def schedule(self) -> list[WorkItem]:
+        if self.frozen:
+            return []
         for req in list(self.running):
             self._guarded(req, "pre_forward", self._pre_forward, req)
         self._grow_running()
-        self._admit()
+        if not self.hold_admission:
+            self._admit()
         return self._build_batch()
 
     def _pre_forward(self, req: Request) -> None:
@@ -272,8 +301,8 @@ class Scheduler:
     def _cache_exact_blocks(self, req: Request) -> None:
         book = req.book
         n = book.exact_blocks
-        if not self.config.caches_prefixes or n <= book.tree_blocks:
-            return
+        if not self.config.caches_prefixes or n <= book.tree_blocks or book.kv_version != self.cache.version:
+            return  # (K/V computed, at least partly, under weights the tree no longer serves: never cached)
         tokens = req.state.tokens[: n * self.config.block_size]
         self.cache.insert(tokens, book.pages[:n])  # the tree takes new pages, frees our duplicates
         match = self.cache.match_prefix(tokens, record_stats=False)
@@ -348,6 +377,7 @@ class Scheduler:
         book.pages = (match.pages if match else []) + pages
         book.cache_node = match.last_node if match else None
         book.exact_blocks = matched
+        book.kv_version = self.cache.version
         if not book.admitted:  # hit-rate and cached_tokens describe a request's first admission only
             book.admitted = True
             book.prefix_cached_tokens = matched * b
