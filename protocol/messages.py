@@ -1,8 +1,9 @@
 """Typed messages between the HTTP process and the engine process (pickled over ZMQ). Torch-free.
 
-HTTP -> engine: GenerateReq (one, or a GenerateBatchReq of every output of one HTTP request), AbortReq, ScoreReq, ScoreAbortReq, FlushCacheReq, PingReq, ShutdownReq.
+HTTP -> engine: GenerateReq (one, or a GenerateBatchReq of every output of one HTTP request), AbortReq, ScoreReq, ScoreAbortReq, FlushCacheReq, PingReq, ShutdownReq;
+the training control plane (docs/rl.md): WeightUpdateReq, WeightGroupReq, GenerationControlReq.
 engine -> HTTP: EngineReady or EngineFailed once at start-up, then one list per iteration of Accepted /
-Rejected / RequestOutput / ScoreResult / FlushCacheResult / Pong.
+Rejected / RequestOutput / ScoreResult / FlushCacheResult / Pong / ControlResult.
 
 Outputs are incremental: a RequestOutput carries only what its request committed since its previous message
 (whole blocks, never revised afterwards), so a message costs the same early and late in a long generation.
@@ -93,6 +94,61 @@ class PingReq:
 @dataclass
 class ShutdownReq:
     pass
+
+
+# ---- the training control plane (engine/runtime/weight_update.py; SGLang's io_struct names) --------------------
+@dataclass
+class WeightUpdateReq:
+    """New weights (or only a new version name): `source` "disk" (model_path, load_format), "distributed" (names,
+    dtypes, shapes broadcast over group_name; load_format "flattened_bucket" or None) or "version". It runs once no
+    request is running (new ones queue), after aborting every request when abort_all_requests."""
+
+    token: str
+    source: str
+    model_path: str | None = None
+    load_format: str | None = None
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    group_name: str = "weight_update_group"
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+@dataclass
+class WeightGroupReq:
+    """Join (`op` "init") or leave ("destroy") a trainer's process group."""
+
+    token: str
+    op: str
+    group_name: str = "weight_update_group"
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 0
+    world_size: int = 0
+    backend: str = "nccl"
+
+
+@dataclass
+class GenerationControlReq:
+    """`op`: "pause" (mode abort | retract | in_place), "continue", "abort_all", "release_memory" / "resume_memory"
+    (tags: weights, kv_cache, cuda_graph; None = all), "status"."""
+
+    token: str
+    op: str
+    mode: str = "abort"
+    tags: list[str] | None = None
+
+
+@dataclass
+class ControlResult:
+    """The engine's answer to a control message: SGLang's success and message, and what else the route returns."""
+
+    token: str
+    success: bool
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -46,6 +46,7 @@ CLI_GROUPS = {
     "server": "HTTP server",
     "limits": "limits on clients (docs/operations.md)",
     "observability": "observability (docs/observability.md)",
+    "rl": "reinforcement learning: weight updates from a trainer (docs/rl.md)",
     "compatibility": "SGLang's and vLLM's flags: accepted with no effect, or refused with what to use instead",
 }
 
@@ -137,6 +138,13 @@ class ServerArgs:
                                 default=False, action="store_true", group="scheduling")
     cpu_threads: int | None = _opt("torch threads on CPU, per rank (default: torch's choice, or the cores shared "
                                    "out among the --tp-size ranks; 1 is best on a busy machine)", type=int, group="gpu")
+    # ---- reinforcement learning (docs/rl.md) --------------------------------------------------------------
+    weight_version: str = _opt("the name of the weights served at start (meta_info.weight_version; an update "
+                               "may rename it)", default="default", group="rl")
+    weight_spool_dir: str | None = _opt(
+        "keep the weights of every update from a trainer's broadcast here (a full checkpoint), so that an engine "
+        "restart serves them again; without it such an engine refuses to restart rather than revert to --model",
+        group="rl")
     # ---- HTTP server -----------------------------------------------------------------------------------
     host: str = _opt("address to listen on", cli="serve", default="127.0.0.1", group="server")
     port: int = _opt("port to listen on", cli="serve", default=30000, type=_port, group="server")

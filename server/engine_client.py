@@ -38,8 +38,8 @@ from redraft.engine.runtime.child_process import group_signals_blocked
 from redraft.engine.runtime.engine_process import run_engine_process
 from redraft.protocol.errors import duplicate_request_id
 from redraft.protocol.messages import (
-    Accepted, AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq, PingReq, Pong,
-    Rejected, RequestOutput, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
+    Accepted, AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq,
+    GenerateReq, PingReq, Pong, Rejected, RequestOutput, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
 )
 from redraft.protocol.server_args import ServerArgs
 
@@ -52,6 +52,11 @@ class EngineDead(RuntimeError):
 
 class ServerDraining(EngineDead):
     """The server is shutting down and its drain time is over: the request is ended (503)."""
+
+
+class WeightsLost(EngineDead):
+    """The engine died after a weight update whose weights cannot be loaded again: it is not restarted (that
+    would silently serve the launch checkpoint); every request is refused with this reason (docs/rl.md)."""
 
 
 # ---- the socket folder ----------------------------------------------------------------------------------------
@@ -233,6 +238,10 @@ class EngineClient:
         self.on_message: list = []  # callbacks(Accepted | RequestOutput | Rejected) (metrics: per block timing)
         self.on_down: list = []  # callbacks() when the engine dies (metrics: engine gauges to zero)
         self.on_fatal: list = []  # callbacks() when it cannot be restarted (the server: exit non-zero)
+        # After a weight update (server/rl_api.py): why a restart must not happen (the served weights cannot be
+        # loaded again), else None; a restart loads what `args` says, kept up to date by `weights_changed`.
+        self.restart_refusal: str | None = None
+        self.refused: WeightsLost | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -382,7 +391,7 @@ class EngineClient:
                     self._ready.set_result(msg.info)
                 else:
                     self._ready.set_exception(RuntimeError(msg.message))
-        elif isinstance(msg, (Pong, FlushCacheResult, ScoreResult)):
+        elif isinstance(msg, (Pong, FlushCacheResult, ScoreResult, ControlResult)):
             if isinstance(msg, Pong):
                 self.stats = msg.stats
             waiter = self._waiters.pop(msg.token, None)
@@ -397,6 +406,11 @@ class EngineClient:
                     return
                 log.error("the engine process died (exit code %s): failing every request", self.proc.exitcode)
                 self._fail_in_flight()
+                if self.restart_refusal is not None and not self.shutting_down:
+                    # (the server stays up, refusing with the reason: a supervisor restarting it would revert)
+                    self.refused = WeightsLost(self.restart_refusal)
+                    log.error("the engine is not restarted: %s", self.restart_refusal)
+                    return
                 if self.shutting_down:
                     log.warning("the server is shutting down: the engine is not restarted")
                     return
@@ -478,7 +492,7 @@ class EngineClient:
         iteration: GenerateBatchReq) and return their streams: each yields Accepted (or raises the refusal's
         RequestError), then its progress messages, the last one finished. Close every stream (`aclose`)."""
         if not self.alive:
-            raise EngineDead("the engine is not running")
+            raise self.refused or EngineDead("the engine is not running")
         seen: set[str] = set()
         for r in reqs:
             if r.rid in self._pending or r.rid in seen:  # its progress would go to the request already in flight
@@ -502,9 +516,9 @@ class EngineClient:
         if self.alive:
             await self._send_msg(AbortReq(rid, finish, keep_tokens))
 
-    async def _request(self, msg: Any, timeout: float) -> Any:
+    async def _request(self, msg: Any, timeout: float | None) -> Any:
         if not self.alive:
-            raise EngineDead("the engine is not running")
+            raise self.refused or EngineDead("the engine is not running")
         future = asyncio.get_running_loop().create_future()
         self._waiters[msg.token] = future
         try:
@@ -539,6 +553,26 @@ class EngineClient:
 
     async def flush_cache(self, timeout: float = 10.0) -> FlushCacheResult:
         return await self._request(FlushCacheReq(uuid.uuid4().hex), timeout)
+
+    async def control(self, msg: Any, timeout: float | None = None) -> ControlResult:
+        """A training control message (protocol/messages.py; server/rl_api.py); no timeout by default: an update
+        waits for the running requests, a broadcast for the trainer."""
+        return await self._request(msg, timeout)
+
+    def weights_changed(self, data: dict[str, Any]) -> None:
+        """An update succeeded: what the routes report, and what a restarted engine must load (or that it must
+        not be restarted at all)."""
+        for key in ("weight_version", "serving_path", "weights_recoverable"):
+            if key in data:
+                self.info[key] = data[key]
+        if data.get("weights_recoverable", True):
+            self.args = self.args.replace(model_path=data.get("serving_path", self.args.model_path),
+                                          weight_version=data.get("weight_version", self.args.weight_version))
+            self.restart_refusal = None
+        else:
+            self.restart_refusal = ("the weights served since the last update came from a trainer's broadcast and "
+                                    "were not kept (start the server with --weight-spool-dir to keep them): "
+                                    "restarting would silently serve the launch checkpoint instead")
 
     async def score(self, sequences: list[list[int]], variants: list, top_k: int = 0, timeout: float = 3600.0) -> list:
         """Log-probabilities of masked variants (ScoreReq); a RequestError when the engine refuses. Cancelled

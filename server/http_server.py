@@ -6,6 +6,8 @@ ZMQ through the ServerState's EngineClient.
     openai_api      /v1/models, /v1/chat/completions, /v1/completions
     likelihood_api  /score, /tokenize, /detokenize, /tokenizer_info
     responses_api   /v1/responses
+    rl_api          the training control plane: weight versions and updates, pause/continue, /health_generate,
+                    /v1/loads (docs/rl.md)
 
 `create_app` only wires: the lifespan (connect to the engine, then close it), the middleware (request ids, API
 keys, body size), the routers, the handlers that answer every error in OpenAI's shape, and the OpenAPI document.
@@ -22,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.protocol.errors import RequestError
-from redraft.server import likelihood_api, native_api, openai_api, playground, responses_api
+from redraft.server import likelihood_api, native_api, openai_api, playground, responses_api, rl_api
 from redraft.server.common import ServerState, error_response
 from redraft.server.middleware import install_middleware
 from redraft.server.openapi_doc import openapi_document
@@ -33,7 +35,7 @@ MAX_PARAM_CHARS = 200
 
 # in this order in the OpenAPI document
 ROUTERS: tuple[APIRouter, ...] = (openai_api.router, likelihood_api.router, responses_api.router, native_api.router,
-                                  playground.router)
+                                  rl_api.router, playground.router)
 
 
 def create_app(state: ServerState) -> FastAPI:

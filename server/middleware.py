@@ -17,12 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from redraft.protocol.errors import RequestError
 from redraft.server.common import REQUEST_ID, RETRY_AFTER, ServerState, key_scope
 from redraft.server.playground import PATHS as PLAYGROUND_PATHS
+from redraft.server.rl_api import RL_ADMIN_PATHS
 
 log = logging.getLogger("redraft.http")
 
 # liveness probes and Prometheus need no key; nor does the playground's static page (its calls carry the key)
 OPEN_PATHS = {"/health", "/live", "/metrics", *PLAYGROUND_PATHS}
-ADMIN_PATHS = {"/abort_request", "/flush_cache"}  # they change what other clients get: the admin key only
+ADMIN_PATHS = {"/abort_request", "/flush_cache", *RL_ADMIN_PATHS}  # they change what other clients get: the admin key only
 
 
 async def _send_error(send, err: RequestError, headers: list[tuple[bytes, bytes]]) -> None:

@@ -37,7 +37,9 @@ from redraft.server.structured import check_native_constraint
 
 log = logging.getLogger("redraft.http")
 SMG_NO_MODEL = "unknown"  # the `model` smg puts on a /generate that named none
-UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "return_bytes", "background")  # only false
+UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "return_bytes", "background",
+                     "return_routed_experts")  # only false
+NULL_ONLY = ("image_data", "lora_path")  # what RL clients always send (docs/rl.md): accepted when null
 
 
 class GenerateBody(BaseModel):
@@ -68,6 +70,10 @@ class GenerateBody(BaseModel):
     return_entropy: bool = False
     return_bytes: bool = False
     background: bool = False
+    # what AReaL and slime send on every request (docs/rl.md)
+    return_routed_experts: bool = False
+    image_data: Any = None
+    lora_path: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -81,13 +87,17 @@ class GenerateBody(BaseModel):
 
 
 class AbortBody(BaseModel):
+    """SGLang's AbortReq: a request by its id, or every request (`abort_all`)."""
+
     model_config = ConfigDict(extra="forbid")
-    rid: str  # a client's id, or the engine's scoped one: checked below
+    rid: str = ""  # a client's id, or the engine's scoped one: checked below
+    abort_all: bool = False
+    abort_message: str | None = None  # (SGLang's; the finish reason here is always {"type": "abort"})
 
     @field_validator("rid")
     @classmethod
     def _plain_rid(cls, rid: str) -> str:
-        return check_request_id(rid, "rid", scoped=True)
+        return check_request_id(rid, "rid", scoped=True) if rid else rid
 
     @model_validator(mode="before")
     @classmethod
@@ -143,7 +153,8 @@ async def model_info(state: State):
     with contextlib.suppress(OSError, ValueError, TypeError):
         config = json.loads((Path(path) / "config.json").read_text())
     return {"model_path": path, "tokenizer_path": path, "served_model_name": state.model_name,
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+            "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": state.client.info.get("weight_version", "default"),
             "has_image_understanding": False, "has_audio_understanding": False,
             "model_type": config.get("model_type"), "architectures": config.get("architectures"),
             "max_model_len": state.max_model_len}
@@ -160,7 +171,8 @@ async def metrics(state: State):
 
 
 # ---- admin routes (the admin key, with --api-key: server/middleware.py) ----------------------------------
-@router.post("/flush_cache")
+@router.get("/flush_cache")
+@router.post("/flush_cache")  # (slime uses GET, as SGLang allows)
 async def flush_cache(state: State):
     try:
         result = await state.client.flush_cache()
@@ -175,7 +187,16 @@ async def flush_cache(state: State):
 async def abort_request(body: AbortBody, state: State):
     """The admin ends a request by the id its client sees (`<X-Request-Id>-<choice>`, a /generate rid): every
     in-flight request of that id, under any API key; or by the engine's scoped id (`<scope>/<id>`, in the
-    engine's log). Answers as before whether or not one was running (aborting is idempotent)."""
+    engine's log). Answers as before whether or not one was running (aborting is idempotent). `abort_all`: every
+    request in the engine, whoever sent it (each ends with finish_reason abort and what it committed)."""
+    if body.abort_all:
+        from redraft.server.rl_api import control  # (the training control plane's engine round trip)
+
+        result = await control(state, op="abort_all")
+        log.info("admin abort of every request: %s ended", result.data.get("aborted"))
+        return {"rid": body.rid, "abort_all": True, "aborted": result.data.get("aborted", 0)}
+    if not body.rid:
+        raise RequestError("give the rid of the request to abort, or abort_all: true", param="rid")
     targets = {r for r in state.client.in_flight_rids
                if r == body.rid or (state.api_keys and client_rid(r) == body.rid)}
     for rid in targets or {body.rid}:
@@ -192,6 +213,9 @@ async def generate(body: GenerateBody, request: Request, state: State):
     for flag in UNSUPPORTED_FLAGS:
         if getattr(body, flag):
             raise RequestError(f"{flag} is not supported (only false)", param=flag)
+    for name in NULL_ONLY:
+        if getattr(body, name) is not None:
+            raise RequestError(f"{name} is not supported: this model reads text only (only null)", param=name)
     names = generate_names("text" if body.text is not None else "input_ids")
     prompts = await _native_prompts(state, body, names)
     params = _sampling_params(body, names)
@@ -218,7 +242,7 @@ async def generate(body: GenerateBody, request: Request, state: State):
 
 def _sampling_params(body: GenerateBody, names: RouteNames) -> SamplingParams:
     """sampling_params with the carried dials and SGLang's logprob fields, checked."""
-    raw_params = _with_carried_dials(body)
+    raw_params = _sglang_aliases(_with_carried_dials(body))
     check_logit_bias_keys(raw_params.get("logit_bias"), "sampling_params.logit_bias")
     if body.return_logprob:
         raw_params.update(logprobs=True, top_logprobs=body.top_logprobs_num)
@@ -247,6 +271,24 @@ def _native_results(state: ServerState, body: GenerateBody, outs: list[OutputStr
         for res in results:
             _token_texts(res["meta_info"], state.tokenizer)
     return results
+
+
+def _sglang_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's sampling-parameter names that RL clients send: `sampling_seed` is the seed;
+    `spaces_between_special_tokens` is accepted (a bool) and changes nothing here (the detokenizer decodes
+    special tokens, when kept, without added spaces)."""
+    if "sampling_seed" in raw:
+        seed = raw.pop("sampling_seed")
+        if seed is not None and raw.get("seed") is not None and raw["seed"] != seed:
+            raise RequestError("sampling_params.sampling_seed and sampling_params.seed differ: give one",
+                               param="sampling_params.sampling_seed")
+        if seed is not None:
+            raw["seed"] = seed
+    if "spaces_between_special_tokens" in raw:
+        if not isinstance(raw.pop("spaces_between_special_tokens"), bool):
+            raise RequestError("spaces_between_special_tokens must be a boolean",
+                               param="sampling_params.spaces_between_special_tokens")
+    return raw
 
 
 def _with_carried_dials(body: GenerateBody) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -259,6 +260,31 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
     bar.close()
     _check_complete(targets, state, model_dir)
     log.info("loaded %d tensors from %d file(s) in %s", len(state.seen), len(files), model_dir)
+
+
+def load_named_tensors(model: LLaDA2Model, named: Iterable[tuple[str, torch.Tensor]], *,
+                       cfg: ModelConfig | None = None, layout: RankLayout | None = None) -> int:
+    """Copy full (unsharded) tensors under their official names into `model` (a weight update: any subset of the
+    checkpoint's tensors), each checked by name and shape as load_weights checks a checkpoint's, cut to the
+    rank's shard with a `layout`, quantised where the model holds e4m3. Returns the number of tensors copied
+    into this rank (another rank's expert is skipped). CheckpointError names the first bad tensor."""
+    cfg = cfg or model.cfg
+    targets = expected_tensors(cfg, fp8_checkpoint=checkpoint_quantization(cfg) == "fp8")
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    state, copied = _LoadState(), 0
+    for name, tensor in named:
+        target = targets.get(name)
+        if target is None:
+            raise CheckpointError(f"unexpected tensor {name!r}: not part of this config")
+        if tuple(tensor.shape) != target.shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.shape}")
+        cut = layout.cut(name, cfg) if layout is not None else None
+        if cut is SKIP:
+            continue
+        index = layout.local_index(target.index, cut, cfg.num_experts) if layout else target.index
+        _copy_tensor(model, params, name, tensor if cut is None else cut.apply(tensor), target, index, state)
+        copied += 1
+    return copied
 
 
 def init_dummy_weights(model: LLaDA2Model, seed: int = 0) -> None:

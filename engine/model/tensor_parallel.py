@@ -188,6 +188,11 @@ class Workers:
         install_all_reduces(model)
         install_leader(model)
 
+    def weights(self, command: tuple) -> None:
+        """Announce a weight command to the other ranks (engine/model/weight_sync.py `rank_command`); rank 0 then
+        does its own share."""
+        dist.broadcast_object_list([("weights", command, None)], src=0)
+
     def kill(self) -> None:
         """None may outlive a failed start, or the interpreter."""
         for p in self.procs:
@@ -220,9 +225,10 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(rank)
     path = resolve_model_path(args.model_path, args.revision)
-    model = load_model(path, ModelConfig.from_pretrained(path), dtype=args.resolved_dtype, device=device,
+    cfg, layout = ModelConfig.from_pretrained(path), RankLayout(rank, tp, ep)
+    model = load_model(path, cfg, dtype=args.resolved_dtype, device=device,
                        load_format=args.load_format, seed=args.seed, progress=False,
-                       quantization=args.quantization, layout=RankLayout(rank, tp, ep))
+                       quantization=args.quantization, layout=layout)
     model.set_kernel_backend(args.kernel_backend)
     install_all_reduces(model)
     init(rank, tp, args.device, init_method)
@@ -232,13 +238,18 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
     runner = ModelRunner(model, num_pages, num_slots, 0, 0, device)
     log_rank_memory(rank, model, runner.k_cache)
     hidden = torch.empty(0)
+    groups: dict[str, Any] = {}  # the trainers' process groups this rank joined (docs/rl.md)
     with torch.inference_mode():
         while True:
             dist.broadcast_object_list(box, src=0)
             kind, first, second = box[0]
             if kind == STOP:
                 break
-            if kind == "logits":  # rows of the last forward's hidden states; the gather is lm_head's hook
+            if kind == "weights":  # a weight update: every rank loads, or receives, its shard
+                from redraft.engine.model.weight_sync import rank_command
+
+                rank_command(first, model, cfg, layout, device, groups)
+            elif kind == "logits":  # rows of the last forward's hidden states; the gather is lm_head's hook
                 model.logits(hidden, None if first is None else first.to(device))
             else:
                 hidden = model(first.to(device), _tensors_to(second, device), runner.k_cache, runner.v_cache)

@@ -32,6 +32,7 @@ from redraft.engine.text.likelihood import MAX_VARIANTS as MAX_SCORE_VARIANTS  #
 from redraft.engine.runtime.overlap import Overlap, off_reason
 from redraft.engine.runtime.scoring import CHUNK_TOKENS, ScoreJob, Scoring, Values
 from redraft.engine.runtime.startup import resolve_placement, start_engine
+from redraft.engine.runtime.weight_update import WeightControl
 from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, RequestOutput, ScoreResult
 from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams, SamplingParams, resolve
@@ -87,6 +88,7 @@ class EngineCore:
         # the next forward runs while the host finishes this iteration (engine/runtime/overlap.py)
         self.overlap = Overlap(self.runner, self.scheduler, off_reason(args))
         log.info("overlap scheduler: %s", "on" if self.overlap.enabled else f"off ({self.overlap.reason_off})")
+        self.weights = WeightControl(self)  # weight versions and updates, pause/continue (docs/rl.md)
 
     @property
     def num_overlapped_forwards(self) -> int:
@@ -233,7 +235,8 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scoring.jobs)
+        """Whether `step` would do something now (a paused engine's queued requests wait: docs/rl.md)."""
+        return self.scheduler.can_progress() or bool(self.scoring.jobs)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, one forward for the whole batch, apply the decoding step, one chunk of
@@ -318,7 +321,8 @@ class EngineCore:
             finish = req.state.finish_reason
             reason = finish if finish is not None and finish.kind == "error" else error_reason(exc)
             return RequestOutput(req.rid, [], True, reason.to_json(), None, None,
-                                 {"prompt_tokens": req.prompt_len, "completion_tokens": 0})
+                                 {"prompt_tokens": req.prompt_len, "completion_tokens": 0,
+                                  **self.weights.request_meta(req.rid)})
 
     def _output(self, req: Request) -> RequestOutput:
         ids = req.output_ids()
@@ -330,6 +334,7 @@ class EngineCore:
         if req.finished:
             self._requests.pop(req.rid, None)
             meta = self._final_meta(req, len(ids), self._progress.pop(req.rid, None))
+            meta.update(self.weights.request_meta(req.rid))  # the weight version it ran on
         events = req.state.trace.take_events() if req.state.trace is not None and req.params.stream_denoise else None
         return RequestOutput(req.rid, ids[start:], req.finished, self._finish_json(req, len(ids)),
                              lp[0] if lp else None, lp[1] if lp else None, meta, events or None)
@@ -425,7 +430,12 @@ class EngineCore:
 
     # ---- service -------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+        """Drop the radix cache; refused (False) while requests run or wait to run, as SGLang refuses (a paused
+        engine's retracted requests do not count: their K/V is recomputed anyway)."""
+        s = self.scheduler
+        if s.running or self.scoring.jobs or (s.waiting and not s.hold_admission):
+            return False
+        return s.flush_cache()
 
     def stats(self) -> dict[str, Any]:
         return {**self.scheduler.stats(), "num_score_jobs": len(self.scoring.jobs),
@@ -449,6 +459,9 @@ class EngineCore:
             "num_params": self.model_config.num_params(),
             "vocab_size": self.model_config.vocab_size,
             "overlap": "on" if self.overlap.enabled else f"off: {self.overlap.reason_off}",
+            # what SGLang reports and RL frameworks read (slime checks the parallel sizes of an external engine)
+            "tp_size": a.tp_size, "ep_size": a.ep_size, "dp_size": 1, "pp_size": 1,
+            **self.weights.info(),
         }
 
     def shutdown(self) -> None:

@@ -20,8 +20,9 @@ import zmq
 from redraft.engine.runtime.child_process import end_children, parent_alive, shield_from_group_signals
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import (
-    AbortReq, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq, PingReq, Pong, Rejected,
-    ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
+    AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq,
+    GenerationControlReq, PingReq, Pong, Rejected, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq, WeightGroupReq,
+    WeightUpdateReq,
 )
 from redraft.protocol.log_safety import install_log_safety
 from redraft.protocol.server_args import ServerArgs
@@ -29,6 +30,7 @@ from redraft.protocol.server_args import ServerArgs
 log = logging.getLogger("redraft.engine_process")
 
 LOG_INTERVAL_S = 5.0
+CONTROL_MESSAGES = (WeightUpdateReq, WeightGroupReq, GenerationControlReq)
 
 
 def run_engine_process(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
@@ -94,6 +96,7 @@ class EngineLoop:
                 self._tokens_since_log += len(out.new_ids)
                 self.outbox.append(out)
             self.outbox.extend(self.core.take_score_results())
+            self.outbox.extend(self.core.weights.poll())  # a weight update that waited for the running requests
             self._flush()
             self._maybe_log()
 
@@ -128,6 +131,8 @@ class EngineLoop:
                 self.outbox.append(Rejected(req.rid, 500, text, "internal_error"))
         elif isinstance(msg, ScoreReq):
             self.outbox.append(ScoreResult(msg.token, None, 500, text, "internal_error"))
+        elif isinstance(msg, CONTROL_MESSAGES):
+            self.outbox.append(ControlResult(msg.token, False, text, {"status": 500}))
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, (GenerateReq, GenerateBatchReq)):
@@ -149,6 +154,8 @@ class EngineLoop:
             ok = self.core.flush_cache()
             text = "" if ok else "cannot flush the cache while requests are running"
             self.outbox.append(FlushCacheResult(msg.token, ok, text))
+        elif isinstance(msg, CONTROL_MESSAGES):  # the training control plane (engine/runtime/weight_update.py)
+            self.outbox.extend(self.core.weights.handle(msg))
         elif isinstance(msg, PingReq):
             self.outbox.append(Pong(msg.token, self.core.stats()))
         elif isinstance(msg, ShutdownReq):
