@@ -196,15 +196,15 @@ class Scheduler:
         """Whether `schedule` would give work now (not while frozen, nor only held-back requests waiting)."""
         return not self.frozen and bool(self.running or (self.waiting and not self.hold_admission))
 
-    def abort_all(self, reason: FinishReason, waiting_reason: FinishReason | None = None) -> int:
-        """End every request (running as `reason`, the ones never admitted as `waiting_reason`); how many."""
+    def abort_all(self, reason: FinishReason, waiting_reason: FinishReason | None = None) -> list[Request]:
+        """End every request (running as `reason`, the ones never admitted as `waiting_reason`); returns them."""
         reqs = [(r, reason) for r in self.running] + [(r, waiting_reason or reason) for r in self.waiting]
         self.waiting.clear()
         for req, why in reqs:
             if why is not reason and req.book.admitted:
                 why = reason  # (preempted: it had started)
             self._finish(req, why)
-        return len(reqs)
+        return [req for req, _ in reqs]
 
     def retract_all(self) -> int:
         """Every running request back to the queue (pages released, exact blocks cached); how many."""

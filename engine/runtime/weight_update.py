@@ -62,6 +62,7 @@ class WeightControl:
         self.released: set[str] = set()
         self.groups: dict[str, Any] = {}
         self.versions_seen: dict[str, list[str]] = {}  # rid -> versions, for requests that ran on more than one
+        self.ran_on: dict[str, str] = {}  # rid -> version, for requests ended before an update they report after
         self.spool_dir = Path(args.weight_spool_dir) if args.weight_spool_dir else None
 
     # ---- messages ----------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class WeightControl:
 
     def request_meta(self, rid: str) -> dict[str, Any]:
         """What a finished request's meta_info says about the weights it ran on."""
-        meta: dict[str, Any] = {"weight_version": self.version}
+        meta: dict[str, Any] = {"weight_version": self.ran_on.pop(rid, self.version)}
         seen = self.versions_seen.pop(rid, None)
         if seen is not None:
             meta["weight_versions"] = seen
@@ -302,7 +303,13 @@ class WeightControl:
         return ControlResult(msg.token, False, f"unknown operation {msg.op!r}")
 
     def _abort_all(self) -> int:
-        return self.core.scheduler.abort_all(FinishReason("abort"), FinishReason("abort", message=ABORT_BEFORE_PREFILL))
+        """End every request now; each still reports the version it ran on (its answer is built after an update
+        that may follow in the same iteration)."""
+        ended = self.core.scheduler.abort_all(FinishReason("abort"),
+                                              FinishReason("abort", message=ABORT_BEFORE_PREFILL))
+        for req in ended:
+            self.ran_on[req.rid] = self.version
+        return len(ended)
 
     def _memory(self, msg: GenerationControlReq) -> ControlResult:
         """Validated; on CPU there is no device memory to give back, so nothing is freed (docs/rl.md)."""
