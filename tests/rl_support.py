@@ -18,11 +18,12 @@ SP = {"max_new_tokens": 40, "temperature": 0.0}
 PROMPTS = [list(range(5, 45)), list(range(60, 75)), [7, 8, 9] * 12]
 
 
-def fresh_ids(path: Path, prompts: list[list[int]] = PROMPTS, sp: dict = SP) -> list[list[int]]:
+def fresh_ids(path: Path, prompts: list[list[int]] = PROMPTS, sp: dict = SP, dtype: str = "float32"
+              ) -> list[list[int]]:
     """The output ids a freshly started engine on `path` gives (the server's settings: float32 on CPU)."""
     import redraft
 
-    engine = redraft.Engine(model_path=str(path), device="cpu", dtype="float32", progress=False)
+    engine = redraft.Engine(model_path=str(path), device="cpu", dtype=dtype, progress=False)
     try:
         return [out["output_ids"] for out in engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts))]
     finally:

@@ -228,3 +228,30 @@ def _kill_and_wait(srv: RedraftServer, c: httpx.Client) -> None:
             pass  # between the two engine processes
         time.sleep(0.5)
     pytest.fail(f"the engine did not come back; log:\n{srv.log_tail()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_under_tensor_parallelism_every_rank_loads_or_receives_its_shard(checkpoints, tmp_path, ep) -> None:
+    """--tp-size 2: a disk update and a gloo broadcast (the trainer's world: itself and the two ranks, as
+    rank_offset + tp_rank) each give a fresh single-process engine's tokens (float64, where ranks are exact)."""
+    want = {k: fresh_ids(checkpoints[k], dtype="float64") for k in ("B", "C")}
+    srv = RedraftServer(checkpoints["A"], tmp_path, ["--tp-size", "2", "--ep-size", str(ep), "--dtype",
+                                                     "float64"]).start()
+    try:
+        c = httpx.Client(base_url=srv.url, timeout=300, trust_env=False)
+        assert c.get("/server_info").json()["tp_size"] == 2
+        assert c.post("/update_weights_from_disk", json={"model_path": str(checkpoints["B"])}).status_code == 200
+        assert _ids(c)[0] == want["B"]
+        names, dtypes, shapes = tensor_specs(checkpoints["C"])
+        trainer = Trainer(checkpoints["C"], names, tmp_path, world_size=3)
+        r = c.post("/init_weights_update_group", json=trainer.init_payload())
+        assert r.status_code == 200 and r.json()["success"], r.text
+        r = _distributed(c, trainer, names, dtypes, shapes, weight_version="tp")
+        assert r.status_code == 200 and r.json()["success"], r.text
+        trainer.finish()
+        ids, meta = _ids(c)
+        assert ids == want["C"] and {m["weight_version"] for m in meta} == {"tp"}
+        assert c.post("/destroy_weights_update_group", json={}).json()["success"] is True
+    finally:
+        srv.stop()
