@@ -172,6 +172,7 @@ class ChoiceStream:
         self.out = OutputStream(shown, state.tokenizer, params.stop, params.no_stop_trim, params.skip_special_tokens)
         self.out.index, self.out.denoise = index, params.stream_denoise
         self.sent_tokens = 0  # output tokens whose logprobs a stream has sent
+        self.sent_ids = 0  # output ids a stream has sent (return_token_ids)
         self.accepted: Accepted | None = None
 
     async def accept(self) -> None:

@@ -20,7 +20,8 @@ from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import BLOCK_SIZE
 from redraft.server.common import ServerState, check_model, engine_error, run_until_disconnect
 from redraft.server.engine_client import EngineDead
-from redraft.server.openai_protocol import reject_lone_surrogates, reject_loose_booleans, text_chars
+from redraft.server.openai_protocol import (UnsupportedValue, check_prefill, reject_lone_surrogates,
+                                            reject_loose_booleans, text_chars)
 from redraft.server.param_names import PROMPT_LOGPROBS, SCORE
 from redraft.server.routing import DepthCheckedRoute, State
 
@@ -96,7 +97,8 @@ class TokenizeBody(Strict):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = Field(default=None, max_length=1024)  # as chat completions
     add_special_tokens: bool = False  # LLaDA2 adds none either way
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # default true (with messages)
+    continue_final_message: bool = False  # assistant prefill, as on chat completions
     model: str | None = None
 
 
@@ -166,9 +168,15 @@ async def tokenize(body: TokenizeBody, state: State):
         tokens = await state.encode(body.prompt, "prompt")
     else:  # every string counts (tool call arguments, names, ...): all of it is rendered and tokenized
         state.check_text_length(text_chars(body.messages), "messages")
+        try:
+            check_prefill(body.messages, body.continue_final_message, body.add_generation_prompt)
+        except UnsupportedValue as exc:
+            raise RequestError(str(exc), param=exc.param) from exc
         try:  # off the loop, as for chat completions
             tokens = await asyncio.to_thread(state.tokenizer.encode_chat, body.messages,
-                                             add_generation_prompt=body.add_generation_prompt)
+                                             add_generation_prompt=body.add_generation_prompt is not False
+                                             and not body.continue_final_message,
+                                             continue_final_message=body.continue_final_message)
         except ChatTemplateError as exc:
             raise RequestError(str(exc), param="messages") from exc
     return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}

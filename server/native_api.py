@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -217,6 +218,7 @@ async def generate(body: GenerateBody, request: Request, state: State):
         if getattr(body, name) is not None:
             raise RequestError(f"{name} is not supported: this model reads text only (only null)", param=name)
     names = generate_names("text" if body.text is not None else "input_ids")
+    n = _choice_count(body)
     prompts = await _native_prompts(state, body, names)
     params = _sampling_params(body, names)
     await check_native_constraint(state, params, names, body.rid or request.state.request_id)
@@ -226,18 +228,40 @@ async def generate(body: GenerateBody, request: Request, state: State):
             raise RequestError("input logprobs (logprob_start_len >= 0) need stream=false", param="stream")
         input_lps = await all_prompt_logprobs(state, request, prompts, body.logprob_start_len,
                                               body.top_logprobs_num, "logprob_start_len")
-    if body.stream and len(prompts) != 1:
-        raise RequestError("stream=true takes a single prompt", param="stream")
+    if body.stream and len(prompts) * n != 1:
+        raise RequestError("stream=true takes a single prompt and n = 1", param="stream")
+    # n samples of each prompt (SGLang's order: a prompt's n outputs together), admitted together
+    prompts, input_lps = [p for p in prompts for _ in range(n)], [lp for lp in input_lps or [] for _ in range(n)]
+    all_params = [params if n == 1 else _nth_sample(params, j) for _ in range(len(prompts) // n) for j in range(n)]
     base_rid = body.rid or uuid.uuid4().hex
     rids = [base_rid] if len(prompts) == 1 else [f"{base_rid}-{i}" for i in range(len(prompts))]
     rids = [engine_rid(request, r) for r in rids]  # scoped by the API key; meta_info.id stays the client's
-    streams = await start_streams(state, rids, prompts, [params] * len(prompts), names, count_param=names.prompt)
+    count_param = names.prompt if n == 1 else "sampling_params.n"
+    streams = await start_streams(state, rids, prompts, all_params, names, count_param=count_param)
     if body.stream:
         return StreamingResponse(_native_sse(streams[0]), media_type="text/event-stream")
     outs = await run_until_disconnect(request, run_all(streams))
-    results = _native_results(state, body, outs, prompts, input_lps)
-    batch = isinstance(body.text, list) or _is_batch_ids(body.input_ids)
+    results = _native_results(state, body, outs, prompts, input_lps or None)
+    batch = isinstance(body.text, list) or _is_batch_ids(body.input_ids) or n > 1
     return results if batch else results[0]
+
+
+MAX_N = 16  # as the OpenAI routes
+
+
+def _choice_count(body: GenerateBody) -> int:
+    """sampling_params.n (SGLang's parallel sampling): 1 changes nothing; n > 1 answers a list."""
+    n = (body.sampling_params or {}).get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise RequestError(f"sampling_params.n must be an integer in [1, {MAX_N}]", param="sampling_params.n")
+    return n
+
+
+def _nth_sample(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n samples: its own seed (the request's + j, wrapped to int64), so seeded samples differ."""
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
 
 
 def _sampling_params(body: GenerateBody, names: RouteNames) -> SamplingParams:
@@ -295,6 +319,7 @@ def _with_carried_dials(body: GenerateBody) -> dict[str, Any]:
     """sampling_params with the dials that came in `sampling_params.custom_params` or `metadata` (smg keeps
     both; server/dials.py)."""
     raw = dict(body.sampling_params or {})
+    raw.pop("n", None)  # read by _choice_count
     custom = raw.pop("custom_params", None)
     if custom is not None and (not isinstance(custom, dict) or set(custom) - set(DIALS)):
         raise RequestError(f"sampling_params.custom_params may hold only redraft's dials ({', '.join(DIALS)})",

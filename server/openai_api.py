@@ -12,6 +12,8 @@ import json
 import re
 import time
 import uuid
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -30,6 +32,7 @@ from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequ
 from redraft.server.param_names import CHAT, COMPLETIONS, RouteNames
 from redraft.server.routing import DepthCheckedRoute, State
 from redraft.server.structured import constraint_of
+from redraft.server.token_extras import prompt_logprobs_entries, stop_fields, truncate_prompt
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 FINISH = {"stop": "stop", "length": "length"}  # OpenAI's values; an aborted request ends with an error instead
@@ -57,7 +60,8 @@ def first_aborted(outs: list) -> OutputStream | None:
     return next((o for o in ended if o.finish_reason.get("type") == "error"), ended[0] if ended else None)
 
 
-RESERVED_TEMPLATE_KWARGS = frozenset({"self", "template", "messages", "tools", "add_generation_prompt"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"self", "template", "messages", "tools", "add_generation_prompt",
+                                      "continue_final_message"})
 
 
 # ---- parameters ---------------------------------------------------------------------------------------
@@ -271,11 +275,20 @@ def _top_dict(state: ServerState, alts: list[tuple[int, float]], text: str, logp
 
 # ---- routes -------------------------------------------------------------------------------------------
 
-async def start_chat(state: ServerState, body: ChatCompletionRequest,
-                     request: Request) -> tuple[list[ChoiceStream], int, bool]:
-    """Check a chat request, render its template, and start its n choices in the engine: (the accepted streams,
-    the prompt's token count, whether tool calls are read from the output). The chat route and the Responses
-    route (server/responses_api.py) both start here."""
+@dataclass
+class ChatStart:
+    """A chat request started in the engine: its accepted streams, the prompt's ids, whether tool calls are read
+    from the output, and vLLM's prompt_logprobs when asked (else None)."""
+
+    streams: list[ChoiceStream]
+    prompt_ids: list[int]
+    tools: bool
+    prompt_logprobs: list | None = None
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> ChatStart:
+    """Check a chat request, render its template, and start its n choices in the engine. The chat route and the
+    Responses route (server/responses_api.py) both start here."""
     check_model(state, body.model)
     validate(body)
     rid = request.state.request_id
@@ -288,9 +301,12 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest,
     state.check_text_length(text_chars(messages) + text_chars(tools), "messages")
     try:  # message text is tokenized as plain text: only the template's markup makes special tokens; off the loop
         ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages, tools=tools,
-                                      add_generation_prompt=True, **template_kwargs)
+                                      add_generation_prompt=body.add_generation_prompt is not False
+                                      and not body.continue_final_message,
+                                      continue_final_message=body.continue_final_message, **template_kwargs)
     except ChatTemplateError as exc:
         raise RequestError(f"the chat template could not render these messages: {exc}", param="messages") from exc
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
     top = body.top_logprobs or 0
     if body.logprobs and not body.stream:
         check_response_size(state, body.n, body.requested_max_tokens, len(ids), top + 1,
@@ -298,9 +314,13 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest,
     constraint = await constraint_of(state, body, rid)  # checked off the loop
     params = [sampling_params(body, CHAT, logprobs=body.logprobs, top_logprobs=top, choice=i, constraint=constraint)
               for i in range(body.n)]
+    prompt_lps = None
+    if body.prompt_logprobs is not None:  # staircase values of the prompt, before generating (as echo)
+        rows = (await all_prompt_logprobs(state, request, [ids], 1, body.prompt_logprobs, "prompt_logprobs"))[0]
+        prompt_lps = prompt_logprobs_entries(state.tokenizer, ids, rows)
     rids = [engine_rid(request, f"{rid}-{i}") for i in range(body.n)]
     streams = await start_streams(state, rids, [ids] * body.n, params, CHAT)
-    return streams, len(ids), tools is not None
+    return ChatStart(streams, ids, tools is not None, prompt_lps)
 
 
 router = APIRouter(route_class=DepthCheckedRoute)
@@ -325,11 +345,11 @@ async def get_model(model: str, state: State):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
-    streams, prompt_tokens, tools = await start_chat(state, body, request)
-    chat = ChatFormatter(state, f"chatcmpl-{request.state.request_id}", body, prompt_tokens, tools)
+    start = await start_chat(state, body, request)
+    chat = ChatFormatter(state, f"chatcmpl-{request.state.request_id}", body, start)
     if body.stream:
-        return StreamingResponse(chat.stream(streams), media_type="text/event-stream")
-    return chat.response(await run_until_disconnect(request, run_all(streams)))
+        return StreamingResponse(chat.stream(start.streams), media_type="text/event-stream")
+    return chat.response(await run_until_disconnect(request, run_all(start.streams)))
 
 
 @router.post("/v1/completions")
@@ -338,7 +358,8 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     validate(body)
     rid = request.state.request_id
     constraint = await constraint_of(state, body, rid)  # checked off the loop
-    prompts = await _completion_prompts(state, body.prompt)
+    prompts = [truncate_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
+               for ids in await _completion_prompts(state, body.prompt)]
     top = body.logprobs or 0
     all_prompts = [ids for ids in prompts for _ in range(body.n)]
     check_choice_count(state, len(all_prompts), "n")  # before any work, echo included
@@ -349,10 +370,16 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     if body.echo:  # the prompt's own log-probabilities (staircase values), computed before generating
         start = 1 if body.logprob_start_len is None else body.logprob_start_len
         fmt.echo = await all_prompt_logprobs(state, request, prompts, start, body.logprobs, "prompt")
-        fmt.echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
+        fmt.echo_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None  # else: what is left
+                          else state.tokenizer.decode(ids, skip_special_tokens=False)
                           for p, ids in zip(_prompt_list(body.prompt), prompts)]
         if body.max_tokens == 0:
+            if body.stream:
+                return StreamingResponse(fmt.echo_only_stream(), media_type="text/event-stream")
             return fmt.response([None] * len(all_prompts))
+    if body.prompt_logprobs is not None:  # vLLM's field: staircase values as with echo, in vLLM's shape
+        rows = await all_prompt_logprobs(state, request, prompts, 1, body.prompt_logprobs, "prompt_logprobs")
+        fmt.prompt_logprobs = [prompt_logprobs_entries(state.tokenizer, ids, r) for ids, r in zip(prompts, rows)]
     params = [sampling_params(body, COMPLETIONS, logprobs=body.logprobs is not None, top_logprobs=top, choice=i,
                               constraint=constraint) for _ in prompts for i in range(body.n)]
     rids = [engine_rid(request, f"{rid}-{i}") for i in range(len(all_prompts))]
@@ -362,13 +389,19 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     return fmt.response(await run_until_disconnect(request, run_all(streams)))
 
 
+TEMPLATE_ROLES = {"developer": "system", "function": "tool"}  # a legacy function result is a tool result
+
+
 def _template_message(m) -> dict:
-    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-    if m.tool_calls:
+    """What the chat template reads of a message (response-side keys a client sent back are left out)."""
+    msg: dict[str, Any] = {"role": TEMPLATE_ROLES.get(m.role, m.role), "content": m.text()}
+    calls = list(m.tool_calls or ()) + ([SimpleNamespace(id=None, function=m.function_call)] if m.function_call
+                                        else [])
+    if calls:
         msg["tool_calls"] = [
             {"id": c.id, "type": "function",
              "function": {"name": c.function.name, "arguments": _json_or_raw(c.function.arguments)}}
-            for c in m.tool_calls
+            for c in calls
         ]
     if m.tool_call_id:
         msg["tool_call_id"] = m.tool_call_id
@@ -406,8 +439,9 @@ async def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]
 
 
 class ChatFormatter:
-    def __init__(self, state: ServerState, cid: str, body: ChatCompletionRequest, prompt_tokens: int, tools: bool):
-        self.state, self.id, self.body, self.prompt_tokens, self.tools = state, cid, body, prompt_tokens, tools
+    def __init__(self, state: ServerState, cid: str, body: ChatCompletionRequest, start: ChatStart):
+        self.state, self.id, self.body, self.start = state, cid, body, start
+        self.prompt_tokens, self.tools = len(start.prompt_ids), start.tools
         self.created = int(time.time())
         self.model = body.model or state.model_names[0]
 
@@ -418,28 +452,45 @@ class ChatFormatter:
     def _message(self, out: OutputStream) -> tuple[dict, str]:
         content, calls = split_tool_output(self.state, out, forced_tool_call(self.body)) if self.tools \
             else (out.text, None)
+        # reasoning_content: null, as SGLang and vLLM answer (no reasoning channel here); clients read it directly
         if calls:
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": content}, finish_reason(out)
+            return {"role": "assistant", "content": content, "reasoning_content": None, "tool_calls": calls}, \
+                "tool_calls"
+        return {"role": "assistant", "content": content, "reasoning_content": None}, finish_reason(out)
+
+    def _stop(self, finish: dict | None) -> dict:
+        return stop_fields(finish, self.state.tokenizer.eos_token_ids, self.body.stop_token_ids)
 
     def response(self, outs: list[OutputStream]) -> dict:
         if first_aborted(outs) is not None:
             raise aborted_error(first_aborted(outs))
         choices = []
+        ids = self.body.return_token_ids
         for i, out in enumerate(outs):
             message, reason = self._message(out)
             lp = chat_logprobs(self.state, out, 0, len(out.ids)) if self.body.logprobs else None
-            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
+                            **self._stop(out.finish_reason), "token_ids": list(out.ids) if ids else None})
         return self._envelope("chat.completion", choices=choices, usage=usage(outs, self.prompt_tokens),
-                              diffusion=diffusion_stats(outs))
+                              prompt_token_ids=list(self.start.prompt_ids) if ids else None,
+                              prompt_logprobs=self.start.prompt_logprobs, diffusion=diffusion_stats(outs))
 
     def _chunk(self, index: int, delta: dict, reason: str | None = None, logprobs: dict | None = None,
-               tokens: int = 0) -> str:
-        """One choice's chunk; `tokens`: that choice's output tokens so far (continuous_usage_stats)."""
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+               tokens: int = 0, **fields: Any) -> str:
+        """One choice's chunk; `tokens`: that choice's output tokens so far (continuous_usage_stats); `fields`:
+        more of the choice's (matched_stop, token_ids)."""
+        delta = {**delta, "reasoning_content": None}  # as SGLang and vLLM send it: clients read it directly
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason, **fields}
         extra = {"usage": running_usage(self.prompt_tokens, tokens) if self._continuous_usage else None} \
             if self._include_usage or self._continuous_usage else {}
         return sse(self._envelope("chat.completion.chunk", choices=[choice], **extra))
+
+    def _ids(self, c: ChoiceStream, end: int) -> dict:
+        """return_token_ids: the output ids this chunk adds (vLLM's token_ids)."""
+        if not self.body.return_token_ids:
+            return {}
+        start, c.sent_ids = c.sent_ids, end
+        return {"token_ids": list(c.out.ids[start:end])}
 
     @property
     def _continuous_usage(self) -> bool:
@@ -451,8 +502,9 @@ class ChatFormatter:
 
     async def stream(self, streams: list[ChoiceStream]) -> AsyncIterator[str]:
         try:
+            first = {"prompt_token_ids": list(self.start.prompt_ids)} if self.body.return_token_ids else {}
             for c in streams:
-                yield self._chunk(c.index, {"role": "assistant", "content": ""})
+                yield self._chunk(c.index, {"role": "assistant", "content": ""}, **first)
             async for c, up in merge_updates(streams):
                 if isinstance(up, Exception):
                     yield sse_error(up)
@@ -469,13 +521,16 @@ class ChatFormatter:
                         delta = {k: v for k, v in message.items() if k != "role" and v is not None}
                         if "tool_calls" in delta:
                             delta["tool_calls"] = [dict(tc, index=j) for j, tc in enumerate(delta["tool_calls"])]
-                        yield self._chunk(c.index, delta, reason, self._lp(c, up.ids_end), tokens=up.ids_end)
+                        yield self._chunk(c.index, delta, reason, self._lp(c, up.ids_end), tokens=up.ids_end,
+                                          **self._stop(up.finish_reason), **self._ids(c, up.ids_end))
                     continue
                 lp = self._lp(c, up.ids_end)
                 if up.text or lp:
-                    yield self._chunk(c.index, {"content": up.text}, None, lp, tokens=up.ids_end)
+                    yield self._chunk(c.index, {"content": up.text}, None, lp, tokens=up.ids_end,
+                                      **self._ids(c, up.ids_end))
                 if up.finished:
-                    yield self._chunk(c.index, {}, openai_finish(up.finish_reason), tokens=up.ids_end)
+                    yield self._chunk(c.index, {}, openai_finish(up.finish_reason), tokens=up.ids_end,
+                                      **self._stop(up.finish_reason), **self._ids(c, up.ids_end))
             else:
                 if self._include_usage:
                     outs = [c.out for c in streams]
@@ -504,6 +559,7 @@ class CompletionFormatter:
         # echo: per prompt, its staircase log-probabilities (None where not computed) and its text
         self.echo: list[list] | None = None
         self.echo_texts: list[str] = []
+        self.prompt_logprobs: list[list] | None = None  # vLLM's prompt_logprobs per prompt, when asked
 
     def _echo_logprobs(self, p: int) -> tuple[dict, int]:
         """The prompt part of an echoed choice's logprobs (OpenAI's legacy shape), and its text length."""
@@ -551,15 +607,45 @@ class CompletionFormatter:
                           "text_offset": echoed["text_offset"] + [length + o for o in lp["text_offset"]]}
                 text = prompt_text + text
             reason = finish_reason(out) if out else "length"
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
+                            **self._stop(out.finish_reason if out else None), **self._token_fields(i, out)})
         u = usage(done, self._prompt_tokens())
         return self._envelope(choices=choices, usage=u, diffusion=diffusion_stats(done))
+
+    def _stop(self, finish: dict | None) -> dict:
+        return stop_fields(finish, self.state.tokenizer.eos_token_ids, self.body.stop_token_ids)
+
+    def _token_fields(self, i: int, out: OutputStream | None) -> dict:
+        """vLLM's per-choice prompt_token_ids, token_ids (null unless return_token_ids) and prompt_logprobs."""
+        p, ids = i // self.body.n, self.body.return_token_ids
+        return {"prompt_token_ids": list(self.prompts[p]) if ids else None,
+                "token_ids": (list(out.ids) if out else []) if ids else None,
+                "prompt_logprobs": self.prompt_logprobs[p] if self.prompt_logprobs is not None else None}
+
+    def _echo_chunk(self, i: int, reason: str | None = None) -> str:
+        """echo with stream: the prompt's text (and its logprobs when asked) as a choice's first chunk."""
+        p = i // self.body.n
+        lp = self._echo_logprobs(p)[0] if self.body.logprobs is not None else None
+        ids = {"prompt_token_ids": list(self.prompts[p])} if self.body.return_token_ids else {}
+        return sse(self._envelope(choices=[{"index": i, "text": self.echo_texts[p], "logprobs": lp,
+                                            "finish_reason": reason, **ids}]))
+
+    async def echo_only_stream(self) -> AsyncIterator[str]:
+        """echo, stream and max_tokens 0: each choice's prompt, finished by length; then usage when asked."""
+        count = len(self.prompts) * self.body.n
+        for i in range(count):
+            yield self._echo_chunk(i, "length")
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield sse(self._envelope(choices=[], usage=usage([], self._prompt_tokens())))
+        yield "data: [DONE]\n\n"
 
     async def stream(self, streams: list[ChoiceStream]) -> AsyncIterator[str]:
         options = self.body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = continuous_usage(self.body)
         try:
+            for c in streams if self.echo is not None else ():
+                yield self._echo_chunk(c.index)
             async for c, up in merge_updates(streams):
                 if isinstance(up, Exception):
                     yield sse_error(up)
@@ -580,8 +666,12 @@ class CompletionFormatter:
                     c.sent_tokens = up.ids_end
                 reason = openai_finish(up.finish_reason) if up.finished else None
                 if up.text or reason or (lp and lp["tokens"]):
+                    fields = self._stop(up.finish_reason) if reason else {}
+                    if self.body.return_token_ids:
+                        fields["token_ids"] = list(c.out.ids[c.sent_ids:up.ids_end])
+                        c.sent_ids = up.ids_end
                     yield sse(self._envelope(choices=[{"index": c.index, "text": up.text, "logprobs": lp,
-                                                       "finish_reason": reason}], **extra))
+                                                       "finish_reason": reason, **fields}], **extra))
             else:
                 if include_usage:
                     outs = [c.out for c in streams]

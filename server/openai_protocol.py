@@ -194,11 +194,17 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the legacy result
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None  # the legacy call of an assistant turn, as clients replay it
     tool_call_id: str | None = None
+    # response-side keys a client appends back with the assistant's message: accepted, not rendered
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -212,7 +218,7 @@ class ChatMessage(Strict):
 
     @model_validator(mode="after")
     def _content_needed(self) -> "ChatMessage":
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
             raise ValueError(f"the {self.role} message needs content")
         return self
 
@@ -264,6 +270,18 @@ class ResponseFormat(Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: exactly one constraint (server/structured.py maps it onto redraft's)."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    grammar: str | None = Field(default=None, min_length=1)
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class _Common(Strict):
     """Fields shared by chat and completions, including the diffusion ones sent through `extra_body`."""
 
@@ -292,6 +310,16 @@ class _Common(Strict):
     ebnf: str | None = Field(default=None, min_length=1)
     lark: str | None = Field(default=None, min_length=1)
     stutter_penalty: float | None = Field(default=None, ge=0.0, le=100.0)
+    # vLLM's structured output spellings, mapped onto the same constraints (server/structured.py)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    guided_grammar: str | None = Field(default=None, min_length=1)
+    # vLLM's token-level extras (docs/openai.md): ids in the answer, the prompt cut from the left, prompt logprobs
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # diffusion (extra_body)
     mode: Literal["S", "Q", "auto"] | None = None
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -311,6 +339,7 @@ class _Common(Strict):
     return_hidden_states: bool = False  # only false: hidden states are not returned
     separate_reasoning: bool = True  # no-ops: redraft has no reasoning parser, so there is nothing to separate
     stream_reasoning: bool = True
+    include_reasoning: bool = True  # vLLM's spelling of the same no-op
 
     @model_validator(mode="before")
     @classmethod
@@ -361,12 +390,13 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    continue_final_message: bool = False  # SGLang's / vLLM's; only false
+    # assistant prefill (SGLang's / vLLM's): the last assistant turn rendered open, continued by the answer
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None  # default true; false renders no opening assistant turn
 
     def check_noop_fields(self) -> None:
         super().check_noop_fields()
-        if self.continue_final_message:
-            raise UnsupportedValue("continue_final_message", "continue_final_message is not supported (only false)")
+        check_prefill(self.messages, self.continue_final_message, self.add_generation_prompt)
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs=true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
@@ -375,6 +405,23 @@ class ChatCompletionRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def check_prefill(messages: list[Any], continue_final: bool, add_generation_prompt: bool | None) -> None:
+    """continue_final_message continues the last message, which must be an assistant's text (not calls), and
+    excludes add_generation_prompt (as vLLM: both true is a contradiction)."""
+    if not continue_final:
+        return
+    if add_generation_prompt:
+        raise UnsupportedValue("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                                                         "both be true")
+    last = messages[-1] if messages else None
+    role = getattr(last, "role", None) if not isinstance(last, dict) else last.get("role")
+    calls = getattr(last, "tool_calls", None) if not isinstance(last, dict) else last.get("tool_calls")
+    content = getattr(last, "content", None) if not isinstance(last, dict) else last.get("content")
+    if role != "assistant" or calls or content is None:
+        raise UnsupportedValue("continue_final_message", "continue_final_message needs the last message to be an "
+                                                         "assistant message with text content (no tool calls)")
 
 
 class CompletionRequest(_Common):
@@ -396,8 +443,6 @@ class CompletionRequest(_Common):
 
     def check_noop_fields(self) -> None:
         super().check_noop_fields()
-        if self.echo and self.stream:
-            raise UnsupportedValue("echo", "echo is not supported with stream=true")
         if self.max_tokens == 0 and not self.echo:
             raise UnsupportedValue("max_tokens", "max_tokens 0 needs echo=true (scoring the prompt)")
         if self.suffix:

@@ -26,14 +26,16 @@ from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
 from redraft.server.common import ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect
 from redraft.server.dials import DIALS
-from redraft.server.openai_api import (aborted, aborted_error, diffusion_stats, forced_tool_call, split_tool_output,
-                                       start_chat)
-from redraft.server.openai_protocol import (ChatCompletionRequest, Strict, UnsupportedValue, drop_ignored_fields,
-                                            merge_extra_body, reject_lone_surrogates, reject_loose_booleans)
+from redraft.server.openai_api import (ChatStart, aborted, aborted_error, chat_logprobs, diffusion_stats,
+                                       forced_tool_call, split_tool_output, start_chat)
+from redraft.server.openai_protocol import (MAX_TOP_LOGPROBS, ChatCompletionRequest, Strict, UnsupportedValue,
+                                            drop_ignored_fields, merge_extra_body, reject_lone_surrogates,
+                                            reject_loose_booleans)
 from redraft.server.routing import DepthCheckedRoute, State
 
 # Responses fields that change nothing here (besides the chat ones in openai_protocol.IGNORED_FIELDS)
-IGNORED = ("user", "metadata", "reasoning", "truncation", "include", "prompt_cache_key", "max_tool_calls")
+IGNORED = ("user", "metadata", "reasoning", "truncation", "prompt_cache_key", "max_tool_calls")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the answer's logprobs
 # chat fields a Responses request may carry through extra_body, as vLLM allows
 CHAT_EXTRAS = ("seed", "top_k", "stop", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty",
                "repetition_penalty", "chat_template_kwargs", *DIALS)
@@ -58,7 +60,8 @@ class ResponsesRequest(Strict):
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)  # logprobs are not offered on this route yet
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+    include: list[str] | None = Field(default=None, max_length=16)  # OUTPUT_LOGPROBS; others name nothing here
     extras: dict[str, Any] = Field(default_factory=dict)  # CHAT_EXTRAS and IGNORED, gathered by the validator
 
     @model_validator(mode="before")
@@ -176,6 +179,8 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
             "temperature": body.temperature, "top_p": body.top_p, "tools": _tools(body),
             "tool_choice": _tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": _response_format(body.text), "stream": body.stream, **body.extras}
+    if OUTPUT_LOGPROBS in (body.include or ()):  # the answer's logprobs, with top_logprobs alternatives each
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValueError as exc:  # pydantic's ValidationError: name the first field it names
@@ -189,8 +194,9 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 # ---- the answer ------------------------------------------------------------------------------------------------
 class ResponsesFormatter:
     def __init__(self, state: ServerState, rid: str, body: ResponsesRequest, chat: ChatCompletionRequest,
-                 prompt_tokens: int, tools: bool):
-        self.state, self.body, self.chat, self.prompt_tokens, self.tools = state, body, chat, prompt_tokens, tools
+                 start: ChatStart):
+        self.state, self.body, self.chat = state, body, chat
+        self.prompt_tokens, self.tools = len(start.prompt_ids), start.tools
         self.id, self.msg_id = f"resp_{rid}", f"msg_{rid}"
         self.created = int(time.time())
         self.seq = 0
@@ -223,16 +229,23 @@ class ResponsesFormatter:
             else (out.text, None)
         items = []
         if content or not calls:
-            items.append(self._message(content or ""))
+            items.append(self._message(content or "", logprobs=self._logprobs(out, 0, len(out.ids))))
         for call in calls or ():
             items.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                           "status": "completed"})
         return items
 
-    def _message(self, text: str, status: str = "completed") -> dict:
+    def _message(self, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+    def _logprobs(self, out: OutputStream, start: int, end: int) -> list:
+        """The output_text logprobs of output tokens [start, end) (include message.output_text.logprobs), in
+        the chat shape: token, logprob, bytes, top_logprobs; [] when not asked."""
+        if not self.chat.logprobs:
+            return []
+        return (chat_logprobs(self.state, out, start, end) or {"content": []})["content"]
 
     def response(self, out: OutputStream) -> dict:
         if aborted(out):
@@ -256,11 +269,11 @@ class ResponsesFormatter:
                     self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                 name=item["name"], arguments=args),
                     self._event("response.output_item.done", output_index=index, item=item)]
-        text = item["content"][0]["text"]
+        text, logprobs = item["content"][0]["text"], item["content"][0]["logprobs"]
         events = self._open_message(index)
         if text_deltas and text:
-            events.append(self._delta(index, text))
-        return events + self._close_message(index, text)
+            events.append(self._delta(index, text, logprobs))
+        return events + self._close_message(index, text, logprobs)
 
     def _open_message(self, index: int) -> list[str]:
         return [self._event("response.output_item.added", output_index=index, item=self._message("", "in_progress")
@@ -268,22 +281,23 @@ class ResponsesFormatter:
                 self._event("response.content_part.added", item_id=self.msg_id, output_index=index, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
-    def _delta(self, index: int, text: str) -> str:
+    def _delta(self, index: int, text: str, logprobs: list | None = None) -> str:
         return self._event("response.output_text.delta", item_id=self.msg_id, output_index=index, content_index=0,
-                           delta=text, logprobs=[])
+                           delta=text, logprobs=logprobs or [])
 
-    def _close_message(self, index: int, text: str) -> list[str]:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def _close_message(self, index: int, text: str, logprobs: list | None = None) -> list[str]:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
         return [self._event("response.output_text.done", item_id=self.msg_id, output_index=index, content_index=0,
-                            text=text, logprobs=[]),
+                            text=text, logprobs=logprobs or []),
                 self._event("response.content_part.done", item_id=self.msg_id, output_index=index, content_index=0,
                             part=part),
-                self._event("response.output_item.done", output_index=index, item=self._message(text))]
+                self._event("response.output_item.done", output_index=index,
+                            item=self._message(text, logprobs=logprobs))]
 
     async def stream(self, stream: ChoiceStream) -> AsyncIterator[str]:
         yield self._event("response.created", response=self._shell("in_progress", []))
         yield self._event("response.in_progress", response=self._shell("in_progress", []))
-        opened, text = False, ""
+        opened, text, sent = False, "", 0  # sent: output tokens whose logprobs a delta carried
         try:
             async for _, up in merge_updates([stream]):
                 if isinstance(up, Exception):
@@ -300,7 +314,8 @@ class ResponsesFormatter:
                             yield ev
                         opened = True
                     text += up.text
-                    yield self._delta(0, up.text)
+                    yield self._delta(0, up.text, self._logprobs(stream.out, sent, up.ids_end))
+                    sent = up.ids_end
             out = stream.out
             if self.tools:
                 items = self._items(out)
@@ -311,9 +326,10 @@ class ResponsesFormatter:
                 if not opened:
                     for ev in self._open_message(0):
                         yield ev
-                for ev in self._close_message(0, text):
+                logprobs = self._logprobs(out, 0, len(out.ids))
+                for ev in self._close_message(0, text, logprobs):
                     yield ev
-                items = [self._message(text)]
+                items = [self._message(text, logprobs=logprobs)]
             final = self._shell("completed", items, out)
             yield self._event(f"response.{'incomplete' if final['status'] == 'incomplete' else 'completed'}",
                               response=final)
@@ -333,8 +349,8 @@ router = APIRouter(route_class=DepthCheckedRoute)
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request, state: State):
     chat = to_chat(body)
-    streams, prompt_tokens, tools = await start_chat(state, chat, request)
-    fmt = ResponsesFormatter(state, request.state.request_id, body, chat, prompt_tokens, tools)
+    start = await start_chat(state, chat, request)
+    fmt = ResponsesFormatter(state, request.state.request_id, body, chat, start)
     if body.stream:
-        return StreamingResponse(fmt.stream(streams[0]), media_type="text/event-stream")
-    return fmt.response((await run_until_disconnect(request, run_all(streams)))[0])
+        return StreamingResponse(fmt.stream(start.streams[0]), media_type="text/event-stream")
+    return fmt.response((await run_until_disconnect(request, run_all(start.streams)))[0])

@@ -65,6 +65,27 @@ class DepthCheckedRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            return await handler(DepthCheckedRequest(request.scope, request.receive))
+            checked = DepthCheckedRequest(request.scope, request.receive)
+            await _json_when_untyped(checked)
+            return await handler(checked)
 
         return route
+
+
+_READ_AS_JSON = (b"application/x-www-form-urlencoded", b"text/plain")  # what curl -d and bare clients send
+
+
+async def _json_when_untyped(request: DepthCheckedRequest) -> None:
+    """A body sent as a form or as plain text (`curl -d '{...}'` without a JSON Content-Type) is read as JSON
+    when it parses as JSON: its Content-Type is set to application/json before FastAPI looks at it. A body that
+    does not parse is left as it came (and refused as before)."""
+    headers = request.scope.get("headers", [])
+    kind = next((v for k, v in headers if k == b"content-type"), None)
+    if kind is None or kind.split(b";")[0].strip().lower() not in _READ_AS_JSON:
+        return
+    try:
+        json.loads(await request.body())
+    except (ValueError, RecursionError):
+        return
+    request.scope["headers"] = [(k, v) for k, v in headers if k != b"content-type"] + [
+        (b"content-type", b"application/json")]

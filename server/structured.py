@@ -50,6 +50,7 @@ def _constraint_source(state: ServerState, body: Any, rid: str) -> tuple[str, st
     for name in ("regex", "ebnf", "lark"):
         if getattr(body, name, None) is not None:
             found.append((name, name, getattr(body, name)))
+    found += vllm_constraints(body)
     tools = getattr(body, "tools", None)
     choice = getattr(body, "tool_choice", None)
     if tools and (choice == "required" or (choice is not None and not isinstance(choice, str))):
@@ -66,6 +67,49 @@ def _constraint_source(state: ServerState, body: Any, rid: str) -> tuple[str, st
         except GrammarError as exc:
             raise _refused(exc, field, request_field, rid) from exc
     return request_field, field, source
+
+
+def vllm_constraints(body: Any) -> list[tuple[str, str, Any]]:
+    """vLLM's spellings as (request field, SamplingParams field, source): `structured_outputs` (json, regex,
+    choice, grammar, json_object) and the older `guided_json` / `guided_regex` / `guided_choice` /
+    `guided_grammar`. A grammar is read as `ebnf` (GBNF, or Lark); a choice list becomes a regex."""
+    found: list[tuple[str, str, Any]] = []
+    so = getattr(body, "structured_outputs", None)
+    spelled = [("guided_json", getattr(body, "guided_json", None), "json_schema"),
+               ("guided_regex", getattr(body, "guided_regex", None), "regex"),
+               ("guided_choice", getattr(body, "guided_choice", None), "choice"),
+               ("guided_grammar", getattr(body, "guided_grammar", None), "ebnf")]
+    if so is not None:
+        spelled += [("structured_outputs.json", so.json_, "json_schema"),
+                    ("structured_outputs.regex", so.regex, "regex"),
+                    ("structured_outputs.choice", so.choice, "choice"),
+                    ("structured_outputs.grammar", so.grammar, "ebnf"),
+                    ("structured_outputs.json_object", JSON_OBJECT_SCHEMA if so.json_object else None, "json_schema")]
+        if not any(value is not None for _, value, _ in spelled[-5:]):
+            raise RequestError("structured_outputs needs one of json, regex, choice, grammar, json_object",
+                               param="structured_outputs")
+    for request_field, value, kind in spelled:
+        if value is None:
+            continue
+        if kind == "choice":
+            found.append((request_field, "regex", choice_regex(value)))
+        else:
+            found.append((request_field, kind, value))
+    return found
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices`: an alternation of the strings, every character that means
+    something in a regex escaped."""
+    return "(" + "|".join(_escape(c) for c in choices) + ")"
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in _REGEX_META else (c if c.isprintable() else f"\\x{{{ord(c):x}}}")
+                   for c in text)
 
 
 async def check_native_constraint(state: ServerState, params: SamplingParams, names: RouteNames, rid: str) -> None:

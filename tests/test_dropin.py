@@ -206,3 +206,279 @@ def test_continuous_usage_needs_include_usage(http, route, body):
     on = sse_events(http.post(route, json={**base, "stream_options": {"continuous_usage_stats": True,
                                                                        "include_usage": True}}))
     assert all(e["usage"] is not None for e in on), "every chunk carries usage when both are set"
+
+
+# ---- 8. assistant prefill ---------------------------------------------------------------------------------
+PREFILL = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "The answer"}]
+
+
+def test_continue_final_message(client, http):
+    open_ids = http.post("/tokenize", json={"messages": PREFILL, "continue_final_message": True,
+                                            "add_generation_prompt": False}).json()["tokens"]
+    closed = http.post("/tokenize", json={"messages": PREFILL, "add_generation_prompt": False}).json()["tokens"]
+    assert closed[: len(open_ids)] == open_ids and len(closed) > len(open_ids)
+    tail = http.post("/detokenize", json={"tokens": closed[len(open_ids):]}).json()["prompt"]
+    assert tail == "<|role_end|>", tail  # only the turn's closing markup is cut
+    opened = http.post("/detokenize", json={"tokens": open_ids}).json()["prompt"]
+    assert opened.endswith("<role>ASSISTANT</role>The answer")
+    r = client.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=12, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.usage.prompt_tokens == len(open_ids)
+    same = client.completions.create(model=MODEL, prompt=open_ids, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == same.choices[0].text  # the prompt is the open turn, nothing else
+
+
+def test_add_generation_prompt_false(client, http):
+    ids = http.post("/tokenize", json={"messages": user("hi"), "add_generation_prompt": False}).json()["tokens"]
+    with_prompt = http.post("/tokenize", json={"messages": user("hi")}).json()["tokens"]
+    assert with_prompt[: len(ids)] == ids and len(with_prompt) > len(ids)
+    r = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
+                                       extra_body={"add_generation_prompt": False})
+    assert r.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True},
+    {"messages": user("hi"), "continue_final_message": True},
+    {"messages": [*PREFILL[:1], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}],
+     "continue_final_message": True}])
+def test_prefill_refusals(http, body):
+    err = assert_error_shape(http.post("/v1/chat/completions", json={**body, "max_tokens": 2}), 400)
+    assert err["param"] == "continue_final_message"
+    err = assert_error_shape(http.post("/tokenize", json={k: v for k, v in body.items()}), 400)
+    assert err["param"] == "continue_final_message"
+
+
+# ---- 9. /generate with sampling_params.n -------------------------------------------------------------------
+def test_generate_n(http):
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    one = http.post("/generate", json={"text": "What is 2 + 3?", "sampling_params": sp}).json()
+    same = http.post("/generate", json={"text": "What is 2 + 3?", "sampling_params": {**sp, "n": 1}}).json()
+    assert isinstance(same, dict) and same["text"] == one["text"]
+    many = http.post("/generate", json={"text": ["What is 2 + 3?", "Count to 3."],
+                                        "sampling_params": {**sp, "n": 2}}).json()
+    assert isinstance(many, list) and len(many) == 4
+    assert many[0]["text"] == many[1]["text"] == one["text"]  # a prompt's n samples together, in order
+    single = http.post("/generate", json={"text": "Count to 3.", "sampling_params": {**sp, "n": 1}}).json()
+    assert many[2]["text"] == many[3]["text"] == single["text"]
+    seeded = http.post("/generate", json={"text": "Tell me a word.", "sampling_params": {
+        "max_new_tokens": 16, "temperature": 1.0, "seed": 7, "n": 3}}).json()
+    assert len(seeded) == 3 and len({r["meta_info"]["id"] for r in seeded}) == 3
+    for bad in (0, 17, "2", True):
+        err = assert_error_shape(http.post("/generate", json={"text": "x", "sampling_params": {"n": bad}}), 400)
+        assert err["param"] == "sampling_params.n"
+    err = assert_error_shape(http.post("/generate", json={"text": "x", "stream": True,
+                                                          "sampling_params": {"n": 2}}), 400)
+    assert err["param"] == "stream"
+
+
+# ---- 10. reasoning_content: null; include_reasoning ----------------------------------------------------------
+def test_reasoning_content_is_null(client):
+    r = client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
+                                       extra_body={"include_reasoning": False})
+    assert r.choices[0].message.reasoning_content is None
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
+                                                 stream=True, extra_body={"include_reasoning": True}))
+    assert all(c.choices[0].delta.reasoning_content is None for c in chunks if c.choices)
+
+
+# ---- 11. echo with stream ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_echo_streamed_equals_whole(client, logprobs):
+    kw = dict(model=MODEL, prompt=["What is 2 + 2?", "Count to 3."], max_tokens=6, temperature=0, echo=True,
+              logprobs=logprobs, n=1)
+    whole = client.completions.create(**kw)
+    texts: dict[int, str] = {}
+    tokens: dict[int, list] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if logprobs is not None and ch.logprobs:
+                tokens.setdefault(ch.index, []).extend(ch.logprobs.tokens)
+    for ch in whole.choices:
+        assert texts[ch.index] == ch.text and ch.text.startswith(kw["prompt"][ch.index])
+        if logprobs is not None:
+            assert tokens[ch.index] == ch.logprobs.tokens
+    only = list(client.completions.create(**{**kw, "max_tokens": 0}, stream=True))
+    assert sorted(c.choices[0].text for c in only) == sorted(kw["prompt"])
+    assert {c.choices[0].finish_reason for c in only} == {"length"}
+
+
+# ---- 12. vLLM's structured_outputs and guided_* -------------------------------------------------------------
+CHOICES = ["yes (a.k.a. y)", "no|never", "maybe?"]
+
+
+@pytest.mark.parametrize("extra", [{"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}])
+def test_choice(client, extra):
+    r = client.chat.completions.create(model=MODEL, messages=user("Is 7 prime?"), max_tokens=16, extra_body=extra)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content in CHOICES
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_json": ANSWER}, lambda t: set(json.loads(t)) == {"answer"}),
+    ({"guided_json": json.dumps(ANSWER)}, lambda t: set(json.loads(t)) == {"answer"}),
+    ({"structured_outputs": {"json": ANSWER}}, lambda t: set(json.loads(t)) == {"answer"}),
+    ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict)),
+    ({"guided_regex": "[0-9]{1,3}"}, lambda t: t.isdigit()),
+    ({"structured_outputs": {"regex": "[0-9]{1,3}"}}, lambda t: t.isdigit()),
+    ({"guided_grammar": 'root ::= "forty" | "two"'}, lambda t: t in ("forty", "two")),
+    ({"structured_outputs": {"grammar": 'root ::= "forty" | "two"'}}, lambda t: t in ("forty", "two")),
+])
+def test_structured_outputs(client, extra, check):
+    r = client.chat.completions.create(model=MODEL, messages=user("What is 40 + 2?"), max_tokens=24, temperature=0,
+                                       extra_body=extra)
+    assert r.choices[0].finish_reason == "stop" and check(r.choices[0].message.content), r.choices[0]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": {"type": "frob"}}}, "structured_outputs.json"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace": "x"}}, "structured_outputs.whitespace"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "[0-9]", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_json": ANSWER, "response_format": {"type": "json_object"}}, "guided_json"),
+])
+def test_structured_outputs_refusals(http, body, param):
+    for route, base in (("/v1/chat/completions", {"messages": user("x")}), ("/v1/completions", {"prompt": "x"})):
+        err = assert_error_shape(http.post(route, json={**base, **body, "max_tokens": 4}), 400)
+        assert err["param"] == param, err
+
+
+# ---- 13. return_token_ids, truncate_prompt_tokens, prompt_logprobs ---------------------------------------------
+def test_return_token_ids(client, http):
+    plain = client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0)
+    assert plain.model_extra["prompt_token_ids"] is None and plain.choices[0].model_extra["token_ids"] is None
+    r = client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == http.post("/tokenize", json={"messages": user("Count to 3.")}
+                                                          ).json()["tokens"]
+    ids = r.choices[0].model_extra["token_ids"]
+    assert len(ids) == r.usage.completion_tokens and r.choices[0].message.content == plain.choices[0].message.content
+    streamed = [t for c in client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
+                                                          temperature=0, stream=True,
+                                                          extra_body={"return_token_ids": True})
+                for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
+    assert streamed == ids
+    c = client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert c.choices[0].model_extra["prompt_token_ids"] == http.post("/tokenize", json={"prompt": "Count to 3."}
+                                                                     ).json()["tokens"]
+    assert len(c.choices[0].model_extra["token_ids"]) == c.usage.completion_tokens
+    streamed = [t for ch in client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, temperature=0,
+                                                      stream=True, extra_body={"return_token_ids": True})
+                for x in ch.choices for t in (x.model_extra.get("token_ids") or [])]
+    assert streamed == c.choices[0].model_extra["token_ids"]
+
+
+def test_truncate_prompt_tokens(client, http):
+    ids = http.post("/tokenize", json={"prompt": "Please, what is 12 + 30?"}).json()["tokens"]
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 5})
+    tail = client.completions.create(model=MODEL, prompt=ids[-5:], max_tokens=6, temperature=0)
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == tail.choices[0].text
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    for bad in (0, -2):
+        assert_error_shape(http.post("/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": bad}), 400)
+
+
+def test_prompt_logprobs_are_the_echo_values(client):
+    echo = client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=0, echo=True, logprobs=2)
+    r = client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=2,
+                                  extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    plps, prompt = r.choices[0].model_extra["prompt_logprobs"], r.choices[0].model_extra["prompt_token_ids"]
+    assert plps[0] is None and len(plps) == len(prompt) == len(echo.choices[0].logprobs.tokens)
+    for token, want, entry in zip(prompt[1:], echo.choices[0].logprobs.token_logprobs[1:], plps[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(want)
+        ranked = sorted((e for e in entry.values() if e["rank"] is not None), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == [1, 2]
+        assert ranked[0]["logprob"] >= ranked[1]["logprob"] >= -1e9
+    chat = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    plps = chat.model_extra["prompt_logprobs"]
+    assert plps[0] is None and all(len(e) == 1 for e in plps[1:]) and len(plps) == chat.usage.prompt_tokens
+
+
+# ---- 14. matched_stop and stop_reason ---------------------------------------------------------------------
+def test_matched_stop(client, server):
+    base = dict(model=MODEL, messages=user("Count from 1 to 20."), max_tokens=64, temperature=0)
+    free = client.chat.completions.create(**base)
+    text = free.choices[0].message.content
+    assert free.choices[0].finish_reason == "stop"
+    eos = free.choices[0].model_extra["matched_stop"]
+    assert isinstance(eos, int) and free.choices[0].model_extra["stop_reason"] is None  # an EOS nobody named
+    stop = text[len(text) // 2]
+    cut = client.chat.completions.create(**base, stop=[stop])
+    assert cut.choices[0].model_extra["matched_stop"] == cut.choices[0].model_extra["stop_reason"] == stop
+    named = client.chat.completions.create(**base, extra_body={"stop_token_ids": [eos]})
+    assert named.choices[0].model_extra["stop_reason"] == eos
+    short = client.completions.create(model=MODEL, prompt="Count from 1 to 20.", max_tokens=2,
+                                      extra_body={"ignore_eos": True})
+    assert short.choices[0].finish_reason == "length"
+    assert short.choices[0].model_extra["matched_stop"] is short.choices[0].model_extra["stop_reason"] is None
+    last = [c for c in client.chat.completions.create(**base, stop=[stop], stream=True) if c.choices][-1]
+    assert last.choices[0].model_extra["matched_stop"] == stop
+
+
+# ---- 15. /v1/responses logprobs ----------------------------------------------------------------------------
+def test_responses_logprobs(client):
+    kw = dict(model=MODEL, input="Count to 3.", max_output_tokens=8, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(**kw)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and all(len(e.top_logprobs) == 2 for e in lps)
+    assert "".join(e.token for e in lps).startswith(r.output_text)
+    streamed = [e for ev in client.responses.create(**kw, stream=True) if ev.type == "response.output_text.delta"
+                for e in ev.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in lps][: len(streamed)] and streamed
+    plain = client.responses.create(**{k: v for k, v in kw.items() if k != "include"})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
+
+
+# ---- 16. history as clients replay it ------------------------------------------------------------------------
+def test_replayed_history(client):
+    legacy = [{"role": "user", "content": "What is 2 + 3?"},
+              {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+              {"role": "function", "name": "add", "content": "5"}]
+    modern = [legacy[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    a = client.chat.completions.create(model=MODEL, messages=legacy, tools=list(MATH_TOOLS), max_tokens=8,
+                                       temperature=0)
+    b = client.chat.completions.create(model=MODEL, messages=modern, tools=list(MATH_TOOLS), max_tokens=8,
+                                       temperature=0)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.choices[0].message == b.choices[0].message
+    first = client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0)
+    echoed = first.choices[0].message.model_dump()  # as a client appends it: refusal, annotations, reasoning ...
+    echoed.update(annotations=[], refusal=None, reasoning_content="", reasoning="")
+    turn = [*user("Count to 3."), echoed, *user("Again.")]
+    clean = [*user("Count to 3."), {"role": "assistant", "content": echoed["content"]}, *user("Again.")]
+    x = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0)
+    y = client.chat.completions.create(model=MODEL, messages=clean, max_tokens=8, temperature=0)
+    assert x.usage.prompt_tokens == y.usage.prompt_tokens and x.choices[0].message == y.choices[0].message
+
+
+# ---- 18. a body without a JSON Content-Type ------------------------------------------------------------------
+def test_body_without_json_content_type(http):
+    body = {"prompt": "Count to 3.", "max_tokens": 4, "temperature": 0}
+    want = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        r = http.post("/v1/completions", content=json.dumps(body), headers={"content-type": kind})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    r = http.post("/v1/completions", content=b"prompt=hi&max_tokens=2",
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert_error_shape(r, 400)
+    gen = http.post("/generate", content=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+                    headers={"content-type": "application/x-www-form-urlencoded"})
+    assert gen.status_code == 200, gen.text

@@ -331,7 +331,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
                     tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
-                    **extra: Any) -> list[int]:
+                    continue_final_message: bool = False, **extra: Any) -> list[int]:
         """Token ids of the rendered chat, where only the template's own markup can produce special tokens:
         every string that comes from the messages or the tools (content, names, arguments, tool results and
         descriptions) is tokenized as plain text, so `<|role_end|>` or `<role>SYSTEM</role>` typed by a user is
@@ -340,7 +340,10 @@ class Tokenizer:
         How: each such string is rendered between two markers carrying a per-call random nonce (so the text itself
         cannot forge one), the marked spans are cut out of the rendered prompt and tokenized with special tokens
         off, the template's text around them with special tokens on. A template that drops or splits a marker
-        (it transformed the text) is refused rather than tokenized unsafely."""
+        (it transformed the text) is refused rather than tokenized unsafely.
+
+        `continue_final_message` (assistant prefill): the last message, an assistant's text, is left open: the
+        prompt ends with its text (the markup that closes the turn is cut), so the answer continues it."""
         nonce = secrets.token_hex(8)
         start, end = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
         marked_messages = _mark_strings(messages, start, end)
@@ -350,6 +353,10 @@ class Tokenizer:
         ids: list[int] = []
         pos = 0
         spans = list(re.finditer(re.escape(start) + "(.*?)" + re.escape(end), text, re.DOTALL))
+        if continue_final_message:  # the final message's text is the last string rendered: end the prompt there
+            if not spans:
+                raise ChatTemplateError("the chat template rendered no text of the final message to continue")
+            text = text[: spans[-1].end()]
         for m in [*spans, None]:
             markup = text[pos : m.start() if m else len(text)]
             if "\ue000" in markup or "\ue001" in markup or (m and nonce in m.group(1)):
