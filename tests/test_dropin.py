@@ -102,6 +102,7 @@ def test_forced_tool_call_with_defs_on_chat(client, tool_choice):
         assert choice.message.content == "" and not choice.message.tool_calls
 
 
+@pytest.mark.slow  # over 10 s on two busy cores
 def test_forced_tool_call_with_defs_on_responses(client):
     tools = [{"type": "function", **t["function"]} for t in PYDANTIC_TOOLS]
     for choice in ("required", {"type": "function", "name": "add"}):
@@ -251,6 +252,7 @@ def test_prefill_refusals(http, body):
 
 
 # ---- 9. /generate with sampling_params.n -------------------------------------------------------------------
+@pytest.mark.slow  # over 10 s on two busy cores
 def test_generate_n(http):
     sp = {"max_new_tokens": 8, "temperature": 0}
     one = http.post("/generate", json={"text": "What is 2 + 3?", "sampling_params": sp}).json()
@@ -482,3 +484,21 @@ def test_body_without_json_content_type(http):
     gen = http.post("/generate", content=json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
                     headers={"content-type": "application/x-www-form-urlencoded"})
     assert gen.status_code == 200, gen.text
+
+
+# ---- the compatibility listing (docs/openai.md): a sample of what it says is ignored or refused ------------------
+@pytest.mark.parametrize("field,value", [("min_p", 0.1), ("use_beam_search", False), ("guided_decoding_backend", "x"),
+                                         ("guided_whitespace_pattern", " "), ("bad_words", ["x"]),
+                                         ("return_tokens_as_token_ids", True), ("structural_tag", "{}")])
+def test_listed_as_refused(http, field, value):
+    err = assert_error_shape(http.post("/v1/chat/completions", json={"messages": user("x"), field: value}), 400)
+    assert err["param"] == field
+
+
+@pytest.mark.parametrize("field,value", [("service_tier", "auto"), ("reasoning_effort", "low"),
+                                         ("include_reasoning", False), ("separate_reasoning", False)])
+def test_listed_as_ignored(http, field, value):
+    body = {"messages": user("Count to 3."), "max_tokens": 6, "temperature": 0}
+    want = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    got = http.post("/v1/chat/completions", json={**body, field: value})
+    assert got.status_code == 200 and got.json()["choices"][0]["message"] == want
