@@ -503,6 +503,8 @@ class ChatFormatter:
     async def stream(self, streams: list[ChoiceStream]) -> AsyncIterator[str]:
         try:
             first = {"prompt_token_ids": list(self.start.prompt_ids)} if self.body.return_token_ids else {}
+            if self.start.prompt_logprobs is not None:
+                first["prompt_logprobs"] = self.start.prompt_logprobs
             for c in streams:
                 yield self._chunk(c.index, {"role": "assistant", "content": ""}, **first)
             async for c, up in merge_updates(streams):
@@ -622,13 +624,23 @@ class CompletionFormatter:
                 "token_ids": (list(out.ids) if out else []) if ids else None,
                 "prompt_logprobs": self.prompt_logprobs[p] if self.prompt_logprobs is not None else None}
 
+    @property
+    def _prompt_chunks(self) -> bool:
+        """A stream opens each choice with a chunk about its prompt: its echo, its ids, its prompt_logprobs."""
+        b = self.body
+        return self.echo is not None or b.return_token_ids or self.prompt_logprobs is not None
+
     def _echo_chunk(self, i: int, reason: str | None = None) -> str:
-        """echo with stream: the prompt's text (and its logprobs when asked) as a choice's first chunk."""
+        """A choice's first chunk in a stream: the prompt's text and its logprobs when echoed, its ids
+        (return_token_ids) and prompt_logprobs when asked."""
         p = i // self.body.n
-        lp = self._echo_logprobs(p)[0] if self.body.logprobs is not None else None
-        ids = {"prompt_token_ids": list(self.prompts[p])} if self.body.return_token_ids else {}
-        return sse(self._envelope(choices=[{"index": i, "text": self.echo_texts[p], "logprobs": lp,
-                                            "finish_reason": reason, **ids}]))
+        echo = self.echo is not None
+        lp = self._echo_logprobs(p)[0] if echo and self.body.logprobs is not None else None
+        extra: dict[str, Any] = {"prompt_token_ids": list(self.prompts[p])} if self.body.return_token_ids else {}
+        if self.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = self.prompt_logprobs[p]
+        return sse(self._envelope(choices=[{"index": i, "text": self.echo_texts[p] if echo else "", "logprobs": lp,
+                                            "finish_reason": reason, **extra}]))
 
     async def echo_only_stream(self) -> AsyncIterator[str]:
         """echo, stream and max_tokens 0: each choice's prompt, finished by length; then usage when asked."""
@@ -644,7 +656,7 @@ class CompletionFormatter:
         include_usage = bool(options and options.include_usage)
         continuous = continuous_usage(self.body)
         try:
-            for c in streams if self.echo is not None else ():
+            for c in streams if self._prompt_chunks else ():
                 yield self._echo_chunk(c.index)
             async for c, up in merge_updates(streams):
                 if isinstance(up, Exception):

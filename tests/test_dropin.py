@@ -377,6 +377,10 @@ def test_return_token_ids(client, http):
                                                       stream=True, extra_body={"return_token_ids": True})
                 for x in ch.choices for t in (x.model_extra.get("token_ids") or [])]
     assert streamed == c.choices[0].model_extra["token_ids"]
+    first = next(iter(client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, stream=True,
+                                                extra_body={"return_token_ids": True, "prompt_logprobs": 1})))
+    assert first.choices[0].model_extra["prompt_token_ids"] == c.choices[0].model_extra["prompt_token_ids"]
+    assert first.choices[0].text == "" and first.choices[0].model_extra["prompt_logprobs"][0] is None
 
 
 def test_truncate_prompt_tokens(client, http):
@@ -410,6 +414,9 @@ def test_prompt_logprobs_are_the_echo_values(client):
                                           extra_body={"prompt_logprobs": 0})
     plps = chat.model_extra["prompt_logprobs"]
     assert plps[0] is None and all(len(e) == 1 for e in plps[1:]) and len(plps) == chat.usage.prompt_tokens
+    first = next(iter(client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2, stream=True,
+                                                     extra_body={"prompt_logprobs": 0})))
+    assert first.choices[0].model_extra["prompt_logprobs"] == plps  # streamed: on the first chunk
 
 
 # ---- 14. matched_stop and stop_reason ---------------------------------------------------------------------
