@@ -509,3 +509,44 @@ def test_listed_as_ignored(http, field, value):
     want = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     got = http.post("/v1/chat/completions", json={**body, field: value})
     assert got.status_code == 200 and got.json()["choices"][0]["message"] == want
+
+
+# ---- bad values of the new fields: a 400 in OpenAI's shape, never a 5xx ------------------------------------------
+HOSTILE = [
+    ("/v1/chat/completions", {"messages": user("x"), "truncate_prompt_tokens": 1.5}),
+    ("/v1/chat/completions", {"messages": user("x"), "prompt_logprobs": 21}),
+    ("/v1/chat/completions", {"messages": user("x"), "return_token_ids": "yes"}),
+    ("/v1/chat/completions", {"messages": user("x"), "guided_choice": ["a", 3]}),
+    ("/v1/chat/completions", {"messages": user("x"), "guided_choice": ["x" * 4000] * 100}),
+    ("/v1/chat/completions", {"messages": user("x"), "guided_json": "{not json"}),
+    ("/v1/chat/completions", {"messages": user("x"), "structured_outputs": {"json": [1, 2]}}),
+    ("/v1/chat/completions", {"messages": user("x"), "structured_outputs": "json"}),
+    ("/v1/chat/completions", {"messages": user("x"), "guided_grammar": "root ::= ("}),
+    ("/v1/chat/completions", {"messages": [*PREFILL[:1], {"role": "assistant", "content": [{"type": "image_url"}]}],
+                              "continue_final_message": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "function", "content": None}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "function_call": {"arguments": "{}"}}]}),
+    ("/v1/chat/completions", {"messages": user("x"), "continue_final_message": "true"}),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": -7}),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "echo": True, "stream": True, "logprobs": 9}),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}),
+    ("/v1/responses", {"input": "x", "top_logprobs": 50, "include": ["message.output_text.logprobs"]}),
+    ("/v1/responses", {"input": "x", "include": "message.output_text.logprobs"}),
+    ("/v1/responses", {"input": "x", "include": [7]}),
+    ("/tokenize", {"messages": user("x"), "continue_final_message": True}),
+    ("/tokenize", {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": "no"}),
+    ("/generate", {"text": "x", "sampling_params": {"n": 2.5}}),
+    ("/generate", {"input_ids": [[1, 2], [3, 2**40]], "sampling_params": {"n": 2}}),
+]
+
+
+@pytest.mark.parametrize("route,body", HOSTILE)
+def test_bad_values_are_400s(http, route, body):
+    assert_error_shape(http.post(route, json=body), 400)
+
+
+def test_bad_form_bodies_are_400s(http):
+    for content in (b"[" * 5000, b"{" * 100 + b"}" * 100, b"\xff\xfe", b""):
+        r = http.post("/v1/completions", content=content, headers={"content-type": "text/plain"})
+        assert_error_shape(r, 400)
+    assert http.get("/health").status_code == 200
