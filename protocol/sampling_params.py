@@ -159,6 +159,9 @@ class SamplingParams:
     # Watching the decoding (docs/denoise.md): an event per forward on a stream, and the step maps in meta_info
     stream_denoise: bool = False
     return_step_maps: bool = False
+    # "placement" (docs/rl.md): the step maps carry each token's log-probability in the forward that placed it,
+    # and each edit's in the forward that made it (implies return_step_maps); None: the step maps without them
+    logprob_mode: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -213,6 +216,8 @@ class SamplingParams:
         for name in ("no_stop_trim", "skip_special_tokens", "stream_denoise", "return_step_maps"):
             if not isinstance(getattr(self, name), bool):
                 fail(f"{name} must be a boolean", name)
+        if self.logprob_mode not in (None, "placement"):
+            fail(f"logprob_mode must be \"placement\" (or absent), got {self.logprob_mode!r}", "logprob_mode")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
             fail("top_logprobs must be an integer in [0, 20]", "top_logprobs")
         if self.domain is not None and (not isinstance(self.domain, str) or len(self.domain) > MAX_DOMAIN_LEN):
@@ -322,6 +327,7 @@ class ResolvedParams:
     grammar: tuple[str, str] | None = None  # (constraint field, source): structured output
     stream_denoise: bool = False  # an event per forward (scheduler/denoise_trace.py)
     return_step_maps: bool = False  # meta_info.step_maps
+    placement_logprobs: bool = False  # logprob_mode "placement": the step maps carry placement log-probabilities
     decoder: str = "threshold"  # "levenshtein": LLaDA2.2's insert/delete step (engine/decoding/levenshtein.py)
     steps: int = 32
     max_steps_per_block: int = 1000
@@ -332,7 +338,8 @@ class ResolvedParams:
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.logprobs or self.top_logprobs > 0
+        """Whether each forward computes the window's log-probabilities (for the output's, or the placements')."""
+        return self.logprobs or self.top_logprobs > 0 or self.placement_logprobs
 
     @property
     def has_logit_controls(self) -> bool:
@@ -409,7 +416,8 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
         min_tokens=params.min_tokens,
         grammar=params.grammar,
         stream_denoise=params.stream_denoise,
-        return_step_maps=params.return_step_maps,
+        return_step_maps=params.return_step_maps or params.logprob_mode == "placement",
+        placement_logprobs=params.logprob_mode == "placement",
         decoder=decoder,
         steps=int(first("steps")[0]),
         max_steps_per_block=int(first("max_steps_per_block")[0]),

@@ -33,33 +33,39 @@ class DenoiseTrace:
     changes: list[tuple[int, int, int, int]] = field(default_factory=list)
     blocks: dict[int, list[int]] = field(default_factory=dict)  # block -> [first forward, last forward]
     pending: list[dict] = field(default_factory=list)
+    # logprob_mode "placement": beside each change, the log-probability of its new token in that forward
+    change_logprobs: list[float | None] | None = None
     _placed: set[int] = field(default_factory=set)  # absolute positions that hold (or held) a token
 
     def record(self, forward: int, block: int, start: int, old: list[int], new: list[int],
-               confidence: list[float] | None) -> None:
+               confidence: list[float] | None, logprobs: list[float] | None = None) -> None:
         """Forward `forward` (of active block `block`) turned the window at absolute position `start` from `old`
-        into `new`; `confidence`: p of each position's proposal (None where not copied back, < 0: none)."""
+        into `new`; `confidence`: p of each position's proposal (None where not copied back, < 0: none);
+        `logprobs`: each window position's log-probability of its token after the step, in this forward."""
         span = self.blocks.setdefault(block, [forward, forward])
         span[1] = forward
         lo = max(start, self.prompt_len)
         states: list[str] = []
         for pos in range(lo, start + len(new)):
             a, b = old[pos - start], new[pos - start]
+            lp = logprobs[pos - start] if logprobs is not None else None  # (of b, this forward's token)
             if a != self.mask_id and pos not in self._placed:  # forced in by the grammar before this forward
-                self._change(forward, pos, self.mask_id, a)
+                self._change(forward, pos, self.mask_id, a, lp if a == b else None)
                 states.append(DRAFTED if a == b else EDITED)
             elif a == self.mask_id:
                 states.append(MASK_STATE if b == self.mask_id else DRAFTED)
             else:
                 states.append(KEPT if a == b else (MASK_STATE if b == self.mask_id else EDITED))
             if a != b:
-                self._change(forward, pos, a, b)
+                self._change(forward, pos, a, b, lp)
         if self.events:  # cells through the last position that can be output
             states = states[: max(0, self.output_end - lo)]
             self.pending.append(self._event(forward, lo, start, old, new, states, confidence))
 
-    def _change(self, forward: int, pos: int, old: int, new: int) -> None:
+    def _change(self, forward: int, pos: int, old: int, new: int, logprob: float | None = None) -> None:
         self.changes.append((forward, pos - self.prompt_len, old, new))
+        if self.change_logprobs is not None:
+            self.change_logprobs.append(logprob)
         if new != self.mask_id:
             self._placed.add(pos)
 
@@ -88,6 +94,8 @@ class DenoiseTrace:
     def rollback(self, mark: tuple[int, dict[int, list[int]]]) -> None:
         n, blocks = mark
         del self.changes[n:]
+        if self.change_logprobs is not None:
+            del self.change_logprobs[n:]
         self.blocks = {b: list(s) for b, s in blocks.items()}
         self._placed = {p + self.prompt_len for _, p, _, new in self.changes if new != self.mask_id}
         # (a position re-masked later is still "placed": the grammar's re-placement is an edit from MASK)
@@ -100,15 +108,17 @@ class DenoiseTrace:
     def step_maps(self, n_out: int, block_size: int) -> dict:
         """meta_info.step_maps for the first n_out output tokens: enough to replay the decoding onto an all-mask
         canvas (docs/denoise.md)."""
-        placed: list[list[int] | None] = [None] * n_out
-        edits: list[list[int]] = []
-        for f, pos, old, new in self.changes:
+        placed: list[list | None] = [None] * n_out
+        edits: list[list] = []
+        lps = self.change_logprobs
+        for i, (f, pos, old, new) in enumerate(self.changes):
             if pos >= n_out:
                 continue
+            extra = [lps[i]] if lps is not None else []  # logprob_mode "placement"
             if old == self.mask_id and placed[pos] is None:
-                placed[pos] = [f, new]
+                placed[pos] = [f, new, *extra]
             else:
-                edits.append([pos, f, old, new])
+                edits.append([pos, f, old, new, *extra])
         first = self.prompt_len // block_size
         last = (self.prompt_len + n_out - 1) // block_size if n_out else first - 1
         blocks = [self.blocks.get(b, [0, 0]) for b in range(first, last + 1)]

@@ -191,7 +191,8 @@ class Request(RequestInputs):
         self.trace_edits = trace_edits  # meta_info.edit_trace (the server's --trace-edits)
         traced = trace_edits or params.stream_denoise or params.return_step_maps
         trace = DenoiseTrace(self.prompt_len, mask_id, self.prompt_len + params.max_new_tokens, block_size,
-                             events=params.stream_denoise) if traced else None
+                             events=params.stream_denoise,
+                             change_logprobs=[] if params.placement_logprobs else None) if traced else None
         self.state = DecodeState(list(self.prompt_ids), self.first_block, self.first_block, trace=trace,
                                  constraint=constraint)
         self.book = Bookkeeping()
@@ -296,7 +297,7 @@ class Request(RequestInputs):
 
     def apply_step(self, new_window: list[int], had_mask: bool, m2t: int, t2t: int, mbe_edits: int = 0,
                    ended: bool | None = None, deletions: int = 0, insertions: int = 0,
-                   confidence: list[float] | None = None) -> StepEnd:
+                   confidence: list[float] | None = None, logprobs: list[float] | None = None) -> StepEnd:
         """Record one denoising forward's result (the window's tokens after the step; `mbe_edits` of the t2t
         edits landed in blocks before the active one). `ended`: the step's own verdict (the Levenshtein step:
         the block commits after this forward, which saw its final tokens), else LLaDA2.1's rule below.
@@ -311,7 +312,8 @@ class Request(RequestInputs):
         s.stats.insertions += insertions
         window = slice(s.window_start * b, (s.active_block + 1) * b)
         if s.trace is not None:  # (under the Levenshtein step positions shift: the trace records them as they are)
-            s.trace.record(s.stats.steps, s.active_block, window.start, s.tokens[window], new_window, confidence)
+            s.trace.record(s.stats.steps, s.active_block, window.start, s.tokens[window], new_window, confidence,
+                           logprobs)
         s.tokens[window] = new_window
         if ended is not None:  # W = 1 (admission): an ended block's last forward saw its final tokens
             return StepEnd(ended, s.active_block + 1 if ended else s.window_start)

@@ -256,8 +256,9 @@ class Scheduler:
         mbe = out.mbe_edits[i] if out.mbe_edits else 0
         conf = out.confidence[i] if out.confidence else None
         structural = (out.ended[i], out.deletions[i], out.insertions[i]) if out.ended else (None, 0, 0)
+        lps = out.logprobs[i] if out.logprobs and req.params.placement_logprobs else None
         end = req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe, *structural,
-                             confidence=conf)
+                             confidence=conf, logprobs=lps)
         req.book.exact_blocks = end.exact_blocks
         if end.ended:
             self._end_block(req)

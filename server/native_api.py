@@ -13,7 +13,7 @@ import logging
 import uuid
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -61,6 +61,7 @@ class GenerateBody(BaseModel):
     # an `event: denoise` per forward on a stream, meta_info.step_maps
     stream_denoise: bool = False
     return_step_maps: bool = False
+    logprob_mode: Literal["placement"] | None = None  # the step maps with placement log-probabilities (docs/rl.md)
     # what SGLang clients and sglang-router add (docs/scaling.md): `model` must name the served model; the
     # logging switches are no-ops; the features redraft lacks are accepted only when off
     model: str | None = None
@@ -273,6 +274,8 @@ def _sampling_params(body: GenerateBody, names: RouteNames) -> SamplingParams:
     for flag in ("stream_denoise", "return_step_maps"):
         if getattr(body, flag):
             raw_params[flag] = True
+    if body.logprob_mode is not None:
+        raw_params["logprob_mode"] = body.logprob_mode
     if not body.stream:
         raw_params.pop("stream_denoise", None)  # events need a stream: a plain answer carries none
     try:
