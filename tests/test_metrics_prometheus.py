@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from live_server import RedraftServer, free_port
+from optional_tools import missing
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -64,7 +65,7 @@ def _tool(name: str) -> str:
         if found:
             return found
         pytest.fail(f"apt-get install prometheus failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
-    pytest.skip(f"`{name}` is not installed (Debian: apt-get install prometheus; .ci/run does this)")
+    missing(f"`{name}`", "Debian: apt-get install prometheus; .ci/run does this")
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -28,9 +28,10 @@ import pytest
 
 
 # the server launcher and checks of the OpenAI API tests (tests/ is on sys.path, as for naive_llada2)
+from optional_tools import need_module
 from test_openai_api import AUTH, KEYS, VOCAB, RedraftServer, assert_error_shape, sse_payloads, user
 
-schemathesis = pytest.importorskip("schemathesis")
+schemathesis = need_module("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 
 pytestmark = pytest.mark.slow

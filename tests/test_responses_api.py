@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from live_server import RedraftServer, assert_error_shape
+from optional_tools import need_module
 from redraft.training.tasks import MATH_TOOLS
 
 MODEL = "demo_model"
@@ -130,7 +131,7 @@ def test_unknown_v1_routes_say_what_exists(server) -> None:
 
 
 def test_langchain_use_responses_api(server) -> None:
-    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is in the dev extra")
+    langchain_openai = need_module("langchain_openai")
     llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="unused", temperature=0,
                                       use_responses_api=True, max_retries=0)
     assert llm.invoke("What is 12 + 30?").text == "42"

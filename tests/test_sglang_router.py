@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from live_server import RedraftServer, free_port
+from optional_tools import need_module
 
 from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
 from redraft.engine.text.tokenizer import Tokenizer
@@ -41,7 +42,7 @@ def replicas(request, tmp_path_factory) -> list[RedraftServer]:
 @pytest.fixture(scope="module", params=ROUTERS)
 def fleet(request, replicas, tmp_path_factory):
     module = request.param
-    pytest.importorskip(module, reason=f"{module} is in the dev extra: pip install -e '.[dev]'")
+    need_module(module)
     port, log = free_port(), tmp_path_factory.mktemp("router") / "router.log"
     cmd = [sys.executable, "-m", f"{module}.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *[r.url for r in replicas], "--policy", "cache_aware",
