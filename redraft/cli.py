@@ -64,12 +64,11 @@ def add_compat_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def quiet_stderr(args: argparse.Namespace) -> None:
-    """On a stderr that is not a terminal (a pipe, a log file), no progress bar, and `redraft generate` logs only
-    warnings unless --log-level is given: its stdout is the answer, its stderr the one summary line."""
-    tty = sys.stderr.isatty()
-    args.progress = tty
+    """On a stderr that is not a terminal (a pipe, a log file), `redraft generate` logs only warnings unless
+    --log-level is given: its stdout is the answer, its stderr the one summary line (and the weights' progress bar
+    draws only on a terminal, engine/model/loader.py)."""
     if getattr(args, "log_level", "info") is None:
-        args.log_level = "info" if tty else "warning"
+        args.log_level = "info" if sys.stderr.isatty() else "warning"
 
 
 def engine_args(args: argparse.Namespace) -> "ServerArgs":
@@ -85,7 +84,7 @@ def engine_args(args: argparse.Namespace) -> "ServerArgs":
             setattr(args, key, [k.strip() for k in os.environ[env].split(",") if k.strip()])
     for flag in getattr(args, "noop_flags", None) or ():
         logging.getLogger("redraft").info("%s: accepted, no effect (%s)", flag, NOOP_FLAGS[flag])
-    return ServerArgs.from_cli(args, progress=getattr(args, "progress", True))
+    return ServerArgs.from_cli(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ REPO_FILES = ("README.md", "pyproject.toml")
 SCRIPT_DIRS = ("benchmarks", "scripts", "training", "clients")  # where a script's shared argument helpers live
 # written by the command that names them, not shipped
 GENERATED = re.compile(r"(^|/)(gpu-out|runs|\.whl)(/|$)|\*")
-SHELL_BLOCK = re.compile(r"```(?:bash|sh|console|shell)?\n(.*?)```", re.S)
+SHELL_LANGUAGES = ("", "bash", "sh", "console", "shell")
 CODE_SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 PATH_TOKEN = re.compile(r"[\w.\-/]+")
@@ -35,14 +35,36 @@ def _doc_id(path: Path) -> str:
 
 
 # ---- where the commands are ---------------------------------------------------------------------------------------
+def fenced_blocks(text: str) -> tuple[list[tuple[str, str]], str]:
+    """([(language, body)] of the ``` blocks, the prose around them)."""
+    blocks, prose, body, language = [], [], None, ""
+    for line in text.splitlines(keepends=True):
+        fence = re.match(r"\s*```(\w*)", line)
+        if fence and body is None:
+            body, language = [], fence.group(1)
+        elif fence:
+            blocks.append((language, "".join(body)))
+            body = None
+        elif body is None:
+            prose.append(line)
+        else:
+            body.append(line)
+    return blocks, "".join(prose)
+
+
+def _prose(text: str) -> str:
+    return fenced_blocks(text)[1]
+
+
 def _shell_lines(text: str) -> list[str]:
     """Command lines of the shell blocks (continuations joined, comments dropped) and the code spans that are
     commands."""
+    blocks, prose = fenced_blocks(text)
     lines = []
-    for block in SHELL_BLOCK.findall(text):
-        joined = re.sub(r"\\\n\s*", " ", block)
-        lines += [line for line in joined.splitlines() if line.strip()]
-    prose = SHELL_BLOCK.sub("", text)
+    for language, block in blocks:
+        if language in SHELL_LANGUAGES:
+            joined = re.sub(r"\\\n\s*", " ", block)
+            lines += [line for line in joined.splitlines() if line.strip()]
     lines += [span for span in CODE_SPAN.findall(prose) if re.match(r"(redraft|python3?) ", span)]
     return lines
 
@@ -193,7 +215,7 @@ def _path_problems(doc: Path, text: str) -> list[str]:
     names: set[str] = set()
     for line in _shell_lines(text):
         names |= {p for w in PATH_TOKEN.findall(line) if (p := _repo_path(w))}
-    for span in CODE_SPAN.findall(SHELL_BLOCK.sub("", text)):
+    for span in CODE_SPAN.findall(_prose(text)):
         names |= {p for w in span.split() if (p := _repo_path(w))}
     for name in sorted(names):
         if not (ROOT / name).exists():
@@ -218,7 +240,7 @@ def _every_flag() -> frozenset[str]:
 
 def _prose_flag_problems(text: str) -> list[str]:
     """A code span in prose that is a flag (`--mbe-window 3`) names one that some command here takes."""
-    flags = [m.group(1) for span in CODE_SPAN.findall(SHELL_BLOCK.sub("", text))
+    flags = [m.group(1) for span in CODE_SPAN.findall(_prose(text))
              if (m := re.fullmatch(r"(--[a-z][\w-]*)(?:[ =].*)?", span))]
     return [f"no command takes {flag}" for flag in flags if flag not in _every_flag()]
 
@@ -246,3 +268,12 @@ def test_the_checker_catches_a_wrong_flag_and_a_missing_file() -> None:
     assert _path_problems(ROOT / "README.md", text) == [
         "benchmarks/nope.py does not exist", "engine/runtime/gone.py does not exist",
         "link to docs/missing.md: no such file"]
+
+
+def test_ci_runs_the_readmes_test_commands() -> None:
+    """.ci/run runs, in a fresh clone, the very pytest commands the README gives a newcomer."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    readme = [words for line in _shell_lines((ROOT / "README.md").read_text()) for words in _commands(line)
+              if words[:3] == ["python", "-m", "pytest"]]
+    ran = [words for line in ci for words in _commands(line) if words[:3] == ["python", "-m", "pytest"]]
+    assert readme and readme == ran

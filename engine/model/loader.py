@@ -231,7 +231,8 @@ def load_weights(model: LLaDA2Model, model_dir: str | Path, progress: bool = Tru
     state = _LoadState()
     files = checkpoint_files(model_dir)
     total = sum(not n.endswith(SCALE_SUFFIX) for n in targets)
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    # disable=None: tqdm draws only on a terminal (a pipe or a log file gets no half-drawn bar)
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=None if progress else True, leave=False)
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt")
