@@ -221,7 +221,10 @@ class ServerArgs:
     # ---- command line ------------------------------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, groups: tuple[str, ...] = ("engine", "serve")) -> None:
-        """The flags of the fields whose `cli` is in `groups`, each in its --help section (cli_group)."""
+        """The flags of the fields whose `cli` is in `groups`, each in its --help section (cli_group), the sections
+        in CLI_GROUPS' order (argparse leaves an empty one out)."""
+        for name in CLI_GROUPS:
+            cli_group(parser, name)
         for f in dataclasses.fields(cls):
             meta = f.metadata
             if meta.get("cli") not in groups:

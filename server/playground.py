@@ -27,8 +27,7 @@ SECURITY_HEADERS = {
 }
 
 
-# GET and HEAD (link checkers, `curl -I`); the page's <base href="/playground/"> resolves its relative links the
-# same under both paths
+# GET and HEAD (link checkers, `curl -I`), with and without the slash: the page links its files by absolute path
 @router.api_route("/playground", methods=["GET", "HEAD"], include_in_schema=False)
 @router.api_route("/playground/", methods=["GET", "HEAD"], include_in_schema=False)
 async def playground_page() -> Response:
