@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from redraft.engine.text.likelihood import (
-    MAX_VARIANTS, elbo_plan, fill_terms, min_variants, staircase_values, staircase_variants,
+    MAX_VARIANTS, Plan, elbo_plan, fill_terms, mask_plan, min_variants, staircase_values, staircase_variants,
 )
 from redraft.engine.text.tokenizer import ChatTemplateError
 from redraft.protocol.errors import RequestError
@@ -91,6 +91,12 @@ class ScoreBody(Strict):
     timestep_rule: Literal["stratified", "gauss_legendre"] = "stratified"
     masking: Literal["bernoulli", "count", "complementary"] = "bernoulli"
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    # for trainers (docs/rl.md): every term's tokens and their log-probabilities; the masks to run, chosen by the
+    # client (per item, a list of masks of response positions; replaces estimator's own); and the weights the
+    # answer must come from (409 when the server holds another version)
+    return_token_logprobs: bool = False
+    masks: list[list[list[StrictInt]]] | None = Field(default=None, max_length=256)
+    require_weight_version: str | None = None
 
 
 class TokenizeBody(Strict):
@@ -133,16 +139,8 @@ async def score(body: ScoreBody, request: Request, state: State):
             raise RequestError("prompt and response must each hold at least one token", param=f"items.{k}")
         seqs.append(list(p) + list(r))
         spans.append((len(p), len(p) + len(r)))
-    low = min_variants(spans, estimator=body.estimator, num_timesteps=body.num_timesteps, block_size=BLOCK_SIZE)
-    if low > MAX_VARIANTS:  # before planning: a maximal plan takes seconds of CPU
-        raise RequestError(f"this request needs at least {low} block forwards; at most {MAX_VARIANTS}",
-                           param="num_timesteps")
-    try:  # off the event loop: planning the largest allowed request takes seconds
-        plan = await asyncio.to_thread(elbo_plan, spans, estimator=body.estimator,
-                                       num_timesteps=body.num_timesteps, timestep_rule=body.timestep_rule,
-                                       masking=body.masking, seed=body.seed, block_size=BLOCK_SIZE)
-    except ValueError as exc:
-        raise RequestError(str(exc), param="estimator") from exc
+    _check_weight_version(state, body.require_weight_version)
+    plan = await _plan(body, spans)
     if len(plan.variants) > MAX_VARIANTS:
         raise RequestError(f"this request needs {len(plan.variants)} block forwards; at most {MAX_VARIANTS}",
                            param="num_timesteps")
@@ -153,10 +151,44 @@ async def score(body: ScoreBody, request: Request, state: State):
         raise engine_error(exc, SCORE) from exc
     except asyncio.TimeoutError as exc:
         raise _timed_out() from exc
-    results = await asyncio.to_thread(fill_terms, plan, [[lp for lp, _ in row] for row in rows])
-    return {"object": "score", "model": state.model_name, "estimator": body.estimator,
+    _check_weight_version(state, body.require_weight_version)  # (an update waits for running score jobs)
+    lens = [p for p, _ in spans] if body.return_token_logprobs else None
+    results = await asyncio.to_thread(fill_terms, plan, [[lp for lp, _ in row] for row in rows], lens)
+    return {"object": "score", "model": state.model_name, "estimator": "masks" if body.masks else body.estimator,
             "num_timesteps": body.num_timesteps, "timestep_rule": body.timestep_rule, "masking": body.masking,
-            "seed": body.seed, "block_size": BLOCK_SIZE, "results": results}
+            "seed": body.seed, "block_size": BLOCK_SIZE, "weight_version": state.client.info.get("weight_version",
+                                                                                              "default"),
+            "results": results}
+
+
+def _check_weight_version(state: ServerState, required: str | None) -> None:
+    held = state.client.info.get("weight_version", "default")
+    if required is not None and required != held:
+        raise RequestError(f"the server holds weight version {held!r}, not {required!r}", status=409,
+                           code="weight_version_mismatch", param="require_weight_version")
+
+
+async def _plan(body: ScoreBody, spans: list[tuple[int, int]]) -> Plan:
+    """The variants to run: the client's masks, or the estimator's plan (refused over MAX_VARIANTS)."""
+    if body.masks is not None:
+        if len(body.masks) != len(body.items):
+            raise RequestError(f"masks holds {len(body.masks)} entries for {len(body.items)} items", param="masks")
+        try:
+            plan = mask_plan(spans, body.masks, BLOCK_SIZE)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="masks") from exc
+    else:
+        low = min_variants(spans, estimator=body.estimator, num_timesteps=body.num_timesteps, block_size=BLOCK_SIZE)
+        if low > MAX_VARIANTS:  # before planning: a maximal plan takes seconds of CPU
+            raise RequestError(f"this request needs at least {low} block forwards; at most {MAX_VARIANTS}",
+                               param="num_timesteps")
+        try:  # off the event loop: planning the largest allowed request takes seconds
+            plan = await asyncio.to_thread(elbo_plan, spans, estimator=body.estimator,
+                                           num_timesteps=body.num_timesteps, timestep_rule=body.timestep_rule,
+                                           masking=body.masking, seed=body.seed, block_size=BLOCK_SIZE)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="estimator") from exc
+    return plan
 
 
 @router.post("/tokenize")

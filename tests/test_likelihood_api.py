@@ -87,6 +87,31 @@ def test_score_route_equals_the_engine(http, engine) -> None:
     assert assert_error_shape(bad, 400)["param"] == "estimator"
 
 
+def test_score_for_trainers_token_terms_client_masks_and_the_weight_version(http) -> None:
+    """docs/rl.md: return_token_logprobs lists every term's tokens; the same masks sent by the client give the
+    same values; require_weight_version is a 409 when the server holds another version."""
+    item = {"prompt": PROMPT[:30], "response": PROMPT[30:]}
+    r = http.post("/score", json={"items": [item], "estimator": "elbo", "num_timesteps": 3, "seed": 5,
+                                  "return_token_logprobs": True, "require_weight_version": "default"})
+    assert r.status_code == 200 and r.json()["weight_version"] == "default", r.text
+    terms = r.json()["results"][0]["terms"]
+    for t in terms:
+        assert len(t["positions"]) == t["masked"] == len(t["token_logprobs"])
+        assert sum(t["token_logprobs"]) == pytest.approx(t["logprob_sum"], abs=1e-9)
+    masks = [[p for t in terms if t["timestep"] == n for p in t["positions"]] for n in range(3)]
+    masks = [m for m in masks if m]
+    r = http.post("/score", json={"items": [item], "masks": [masks], "return_token_logprobs": True})
+    assert r.status_code == 200 and r.json()["estimator"] == "masks", r.text
+    got = [(tuple(t["positions"]), t["token_logprobs"]) for t in r.json()["results"][0]["terms"]]
+    want = [(tuple(t["positions"]), t["token_logprobs"]) for t in terms if t["positions"]]
+    assert sorted(got) == sorted(want)
+    bad = http.post("/score", json={"items": [item], "masks": [[[0, 99]]]})
+    assert assert_error_shape(bad, 400)["param"] == "masks"
+    stale = http.post("/score", json={"items": [item], "require_weight_version": "step-7"})
+    err = assert_error_shape(stale, 409)
+    assert err["code"] == "weight_version_mismatch" and err["param"] == "require_weight_version"
+
+
 def test_tokenizer_routes_in_vllms_shapes(http, engine) -> None:
     info = http.get("/tokenizer_info").json()
     assert info["eos_token"] == engine.tokenizer.eos_token and "chat_template" in info

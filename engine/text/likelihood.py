@@ -221,6 +221,34 @@ def elbo_plan(items: Sequence[tuple[int, int]], *, estimator: str, num_timesteps
     return plan
 
 
+def mask_plan(items: Sequence[tuple[int, int]], masks: Sequence[Sequence[Sequence[int]]],
+              block_size: int = 32) -> Plan:
+    """Variants and terms for masks the client chose (docs/rl.md): per item, a list of masks, each the response
+    positions (0 = the first response token) to mask together. A mask is run block by block, each block of the
+    response with the mask's positions in it masked (the clean blocks before it visible); a term per (mask, block)
+    with t = the share of the response the mask holds, weight 1 / number of masks and scale 1, so the estimate is
+    the mean over the masks of their masked log-probability sums (a trainer applies its own weights to the terms).
+    ValueError names the first position outside the response, or one given twice."""
+    plan = Plan()
+    for seq, ((prompt_len, total), item_masks) in enumerate(zip(items, masks)):
+        terms: list[Term] = []
+        n_resp = total - prompt_len
+        for n, mask in enumerate(item_masks):
+            if len(set(mask)) != len(mask):
+                raise ValueError(f"masks.{seq}.{n}: a position is given twice")
+            bad = next((p for p in mask if not 0 <= p < n_resp), None)
+            if bad is not None:
+                raise ValueError(f"masks.{seq}.{n}: position {bad} is outside the response (0..{n_resp - 1})")
+            absolute = sorted(prompt_len + p for p in mask)
+            for b in blocks_of(prompt_len, total, block_size):
+                inside = tuple(p for p in absolute if b * block_size <= p < (b + 1) * block_size)
+                if inside:
+                    terms.append(Term(n, len(mask) / n_resp, 1.0 / len(item_masks), b, 1.0, len(plan.variants)))
+                    plan.variants.append(Variant(seq, b, inside, inside))
+        plan.terms.append(terms)
+    return plan
+
+
 def min_variants(items: Sequence[tuple[int, int]], *, estimator: str, num_timesteps: int = 1,
                  block_size: int = 32) -> int:
     """A lower bound on the variants `elbo_plan` makes for these items (exact but for complementary masking, which
@@ -233,11 +261,13 @@ def min_variants(items: Sequence[tuple[int, int]], *, estimator: str, num_timest
     return sum(blocks)
 
 
-def fill_terms(plan: Plan, logprobs: Sequence[Sequence[float]]) -> list[dict]:
+def fill_terms(plan: Plan, logprobs: Sequence[Sequence[float]],
+               prompt_lens: Sequence[int] | None = None) -> list[dict]:
     """Per item: the terms with their sums, and the weighted estimate. `logprobs[v]` are variant v's
-    log-probabilities at its targets (an empty mask contributes 0)."""
+    log-probabilities at its targets (an empty mask contributes 0). With `prompt_lens` (per item), every term
+    also lists its masked tokens: their response positions and each one's log-probability."""
     out = []
-    for terms in plan.terms:
+    for item, terms in enumerate(plan.terms):
         estimate = 0.0
         rows = []
         for term in terms:
@@ -246,5 +276,8 @@ def fill_terms(plan: Plan, logprobs: Sequence[Sequence[float]]) -> list[dict]:
             estimate += term.weight * term.scale * term.logprob_sum
             rows.append({"timestep": term.timestep, "t": term.t, "weight": term.weight, "block": term.block,
                          "scale": term.scale, "logprob_sum": term.logprob_sum, "masked": term.masked})
+            if prompt_lens is not None:
+                rows[-1]["positions"] = [p - prompt_lens[item] for p in plan.variants[term.variant].targets]
+                rows[-1]["token_logprobs"] = [float(x) for x in lp]
         out.append({"estimate": estimate, "terms": rows})
     return out
