@@ -96,9 +96,13 @@ class WeightControl:
         return meta
 
     def info(self) -> dict[str, Any]:
+        """What /server_info adds for RL clients: the weights, and the SGLang server arguments slime compares when
+        it attaches to an external engine (one node, no memory saver, no disaggregation)."""
+        a = self.core.args
         return {"weight_version": self.version, "weight_epoch": self.core.scheduler.cache.version,
                 "paused": self.paused, "serving_path": str(self.serving_path), "weights_recoverable":
-                self.recoverable}
+                self.recoverable, "host": a.host, "port": a.port, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1,
+                "base_gpu_id": 0, "enable_memory_saver": False, "disaggregation_mode": "null"}
 
     # ---- updates -----------------------------------------------------------------------------------
     def _queue_update(self, msg: WeightUpdateReq) -> list[ControlResult]:
