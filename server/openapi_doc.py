@@ -7,7 +7,8 @@ gateways read it, so every status a route may answer is declared with the body i
   --max-body-bytes (every POST), 500 where an engine failure ends a generation, 503 while the engine is away or
   the server drains;
 - a route whose body has `stream` answers `text/event-stream` as well as JSON;
-- what a route's own `response_class` says (empty bodies for /health and /live, text/plain for /metrics).
+- what a route's own `response_class` and `responses` say (empty bodies for /health, /live and /health_generate,
+  text/plain for /metrics): a status a route declares itself is kept as it is.
 
 The rules are read from the routes themselves (their body schema, their path), so a new route is described
 without a table here to keep up to date."""
@@ -89,8 +90,9 @@ def _declare(path: str, method: str, op: dict[str, Any], schemas: dict[str, Any]
         codes.add("500")
     if path not in NEVER_UNAVAILABLE:
         codes.add("503")
-    for code in sorted(codes):
-        responses[code] = {"description": ERRORS[code], "content": {"application/json": {"schema": ERROR_REF}}}
+    for code in sorted(codes):  # what a route declares itself (an empty 503 of a probe) stands
+        responses.setdefault(code, {"description": ERRORS[code],
+                                    "content": {"application/json": {"schema": ERROR_REF}}})
     if "stream" in body.get("properties", {}):
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok.setdefault("content", {}).update(SSE)

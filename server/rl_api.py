@@ -254,7 +254,9 @@ async def _memory(state: ServerState, op: str, body: MemoryOccupationBody | None
 
 
 # ---- health and load -----------------------------------------------------------------------------------------
-@router.get("/health_generate")
+@router.get("/health_generate", response_class=Response,  # empty bodies both ways (server/openapi_doc.py)
+            responses={200: {"description": "One token generated (an empty body)"},
+                       503: {"description": "No answer in time, or draining (an empty body)"}})
 async def health_generate(state: State):
     """One tiny generation (one token, greedy) through the whole engine: 200 once it finishes, else 503."""
     if state.draining:

@@ -14,9 +14,10 @@ import jsonschema
 import pytest
 
 from live_server import RedraftServer
+from optional_tools import need_module
 from test_openai_fuzz import cap_cost
 
-schemathesis = pytest.importorskip("schemathesis")
+schemathesis = need_module("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,7 @@ def test_no_422_and_errors_in_openai_shape(doc):
         for method, op in ops.items():
             assert "422" not in op["responses"], (method, path)
             for status, answer in op["responses"].items():
-                if status.startswith(("4", "5")):
+                if status.startswith(("4", "5")) and "content" in answer:  # else: an empty body, declared so
                     assert answer["content"]["application/json"]["schema"] == {
                         "$ref": "#/components/schemas/ErrorResponse"}, (method, path, status)
     assert "HTTPValidationError" not in doc["components"]["schemas"]
@@ -74,7 +75,7 @@ def test_no_422_and_errors_in_openai_shape(doc):
 def test_every_get_route_answers_as_declared(server, doc):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
         for path, ops in doc["paths"].items():
-            if "get" in ops and "{" not in path:
+            if "get" in ops and "post" not in ops and "{" not in path:  # a GET twin of a POST acts: left out
                 declared(doc, path, "get", http.get(path))
         declared(doc, "/v1/models/{model}", "get", http.get("/v1/models/no-such-model"))  # 404
         name = http.get("/v1/models").json()["data"][0]["id"]
