@@ -229,7 +229,8 @@ def _path_problems(doc: Path, text: str) -> list[str]:
     return problems
 
 
-FOREIGN_FLAGS = {"--failure-threshold"}  # other tools' flags the docs name on their own (hadolint's)
+# other tools' flags the docs name on their own: hadolint's, slime's
+FOREIGN_FLAGS = {"--failure-threshold", "--rollout-external", "--rollout-external-engine-addrs"}
 
 
 @cache
