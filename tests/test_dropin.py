@@ -537,6 +537,9 @@ HOSTILE = [
     ("/tokenize", {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": "no"}),
     ("/generate", {"text": "x", "sampling_params": {"n": 2.5}}),
     ("/generate", {"input_ids": [[1, 2], [3, 2**40]], "sampling_params": {"n": 2}}),
+    ("/score", {"items": [{"prompt": [5, -1], "response": [6]}]}),
+    ("/score", {"items": [{"prompt": [5], "response": [6, 2**63]}], "estimator": "staircase"}),
+    ("/detokenize", {"tokens": [5, 2**63]}),
 ]
 
 
