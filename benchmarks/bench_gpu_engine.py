@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -52,7 +53,7 @@ def _run(engine, batch: int, new_tokens: int, prompt_len: int, vocab: int, sync)
             "overlapped": engine.core.num_overlapped_forwards - used0}
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="mini", choices=("mini", "flash", "tiny"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -64,14 +65,43 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, torch kernels: checks the script")
     args = ap.parse_args()
+    if args.dry_run:
+        args.model, args.batches, args.eager_batch, args.new_tokens, args.prompt_len = "tiny", [1, 4], 8, 8, 16
+        args.cuda_graph_max_bs, args.rounds = 4, 1
+    return args
 
+
+def _measure(engine: Any, args: argparse.Namespace, vocab: int, sync: Callable[[], None], rows: list[dict],
+             part: str, batch: int, settings: list[tuple[str, Callable[[], None]]]) -> None:
+    """One table row per setting: the median of `args.rounds` alternating timed runs, after an untimed one each
+    (the graphs and kernels of this batch shape)."""
+    for name, apply in settings:
+        apply()
+        _run(engine, batch, min(args.new_tokens, 16), args.prompt_len, vocab, sync)
+    got: dict[str, list[dict]] = {name: [] for name, _ in settings}
+    for _ in range(args.rounds):
+        for name, apply in settings:
+            apply()
+            got[name].append(_run(engine, batch, args.new_tokens, args.prompt_len, vocab, sync))
+    base = statistics.median(r["tok_s"] for r in got[settings[0][0]])
+    for name, _ in settings:
+        runs = got[name]
+        tok_s = statistics.median(r["tok_s"] for r in runs)
+        row = {"part": part, "batch": batch, "setting": name, "tok_s": tok_s,
+               "ms_per_forward": statistics.median(r["ms_per_forward"] for r in runs),
+               "forwards": runs[-1]["forwards"], "overlapped": runs[-1]["overlapped"],
+               "speedup": tok_s / base}
+        rows.append(row)
+        print(f"| {part} | {batch} | {name} | {tok_s:.0f} | {row['ms_per_forward']:.2f} | {row['forwards']} "
+              f"| {row['overlapped']} | {row['speedup']:.2f}x |", flush=True)
+
+
+def main() -> None:
+    args = _parse_args()
     import torch
 
     import redraft
 
-    if args.dry_run:
-        args.model, args.batches, args.eager_batch, args.new_tokens, args.prompt_len = "tiny", [1, 4], 8, 8, 16
-        args.cuda_graph_max_bs, args.rounds = 4, 1
     device = "cpu" if args.dry_run else "cuda"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     model_dir = write_model_dir(Path(tempfile.mkdtemp()) / f"llada2-{args.model}-dummy", args.model)
@@ -86,42 +116,21 @@ def main() -> None:
     vocab = min(engine.tokenizer.vocab_size, 400)  # prompts of ordinary ids of the tokenizer (ids < 4 are special)
     _run(engine, 2, 8, args.prompt_len, vocab, sync)  # warm-up: compile kernels, capture graphs
     rows: list[dict] = []
-
-    def measure(part: str, batch: int, settings: list[tuple[str, Callable[[], None]]]) -> None:
-        for name, apply in settings:  # one untimed run each: the graphs and kernels of this batch shape
-            apply()
-            _run(engine, batch, min(args.new_tokens, 16), args.prompt_len, vocab, sync)
-        got: dict[str, list[dict]] = {name: [] for name, _ in settings}
-        for _ in range(args.rounds):
-            for name, apply in settings:
-                apply()
-                got[name].append(_run(engine, batch, args.new_tokens, args.prompt_len, vocab, sync))
-        base = statistics.median(r["tok_s"] for r in got[settings[0][0]])
-        for name, _ in settings:
-            runs = got[name]
-            tok_s = statistics.median(r["tok_s"] for r in runs)
-            row = {"part": part, "batch": batch, "setting": name, "tok_s": tok_s,
-                   "ms_per_forward": statistics.median(r["ms_per_forward"] for r in runs),
-                   "forwards": runs[-1]["forwards"], "overlapped": runs[-1]["overlapped"],
-                   "speedup": tok_s / base}
-            rows.append(row)
-            print(f"| {part} | {batch} | {name} | {tok_s:.0f} | {row['ms_per_forward']:.2f} | {row['forwards']} "
-                  f"| {row['overlapped']} | {row['speedup']:.2f}x |", flush=True)
-
     runner = engine.core.runner
     print("| part | batch | setting | tokens/s | ms/forward | forwards | overlapped | vs first |")
     print("|---|---|---|---|---|---|---|---|")
     for b in args.batches:
-        measure("overlap", b, [("serial", lambda: _set_overlap(engine, False)),
-                               ("overlap", lambda: _set_overlap(engine, True))])
+        _measure(engine, args, vocab, sync, rows, "overlap", b,
+                 [("serial", lambda: _set_overlap(engine, False)), ("overlap", lambda: _set_overlap(engine, True))])
     _set_overlap(engine, False)
 
-    def reduce(on: bool):
+    def reduce(on: bool) -> Callable[[], None]:
         def apply() -> None:
             runner.vocab_reduce = on
         return apply
 
-    measure("decision (eager)", args.eager_batch, [("full logits", reduce(False)), ("fused top-1", reduce(True))])
+    _measure(engine, args, vocab, sync, rows, "decision (eager)", args.eager_batch,
+             [("full logits", reduce(False)), ("fused top-1", reduce(True))])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"model": args.model, "device": device, "rows": rows}, indent=1))
 

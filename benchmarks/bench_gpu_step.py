@@ -353,7 +353,8 @@ def _clear(engine) -> None:
 
 
 def bench_steps(engine, args, bw: float, mm: float, cfg, probe) -> list[dict]:
-    from redraft.engine.runtime.model_runner import build_forward_batch
+    from redraft.engine.runtime.batch import build_forward_batch
+    from redraft.engine.runtime.forward import eager_forward
 
     runner = engine.core.runner
     graphs = runner.graphs
@@ -369,7 +370,7 @@ def bench_steps(engine, args, bw: float, mm: float, cfg, probe) -> list[dict]:
             step_probe.randomize_blocks(items, min(cfg.vocab_size, 150000), avoid, args.seed + n)
         batch = build_forward_batch(items, BLOCK)
         with torch.inference_mode(), probe.recording() as ids:
-            hidden, window_rows = runner._forward_eager(runner.plan(items, batch))
+            hidden, window_rows = eager_forward(runner, runner.plan(items, batch))
             eager_logits = runner.model.logits(hidden, window_rows)  # [N, B, V], what the graph captures
         touched = step_probe.experts_touched(ids, cfg.num_experts)  # this batch's routing, per MoE layer
         with torch.inference_mode():

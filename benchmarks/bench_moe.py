@@ -312,7 +312,7 @@ def bench_step(args, cfg_name: str) -> list[dict]:
 def _one_step(args, model_dir: Path, dtype: str, quant: str | None, t0: float) -> dict:
     """One engine (bf16 or FP8 weights) at batch 1: the CUDA-graph step and forward, then freed."""
     import bench_gpu_step as gs
-    from redraft.engine.runtime.model_runner import build_forward_batch
+    from redraft.engine.runtime.batch import build_forward_batch
 
     engine = build_engine(model_dir, dtype, quant, args, args.context + 12 * gs.BLOCK)
     print(f"  engine ({quant or dtype}) ready in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -1,5 +1,5 @@
 """The HTTP side of watching the decoding (docs/denoise.md): forward events in each route's stream, step maps in
-each route's answer. The events come built (engine/decoding/denoise_trace.py `text_event`, through OutputStream); this
+each route's answer. The events come built (engine/text/denoise_events.py `text_event`, through OutputStream); this
 module only places them: a named SSE event on /generate, an extra chunk whose `diffusion` field holds the event
 on the OpenAI streams (the SDK keeps unknown fields as attributes; the chunk's delta is empty, so content is
 unchanged for a client that ignores it)."""

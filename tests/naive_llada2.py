@@ -316,6 +316,42 @@ class LogitsModel(Protocol):
     def forward_logits(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
+def _layout(input_ids: list[int], max_new_tokens: int, mask_id: int, block: int
+            ) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    """(P, first block, last block, x: the prompt then MASK through the last block [total], is_prompt [total])."""
+    P = len(input_ids)
+    first_block = P // block
+    last_block = (P + max_new_tokens - 1) // block
+    total = (last_block + 1) * block
+    x = torch.full((total,), mask_id, dtype=torch.long)  # [total]
+    x[:P] = torch.tensor(input_ids, dtype=torch.long)
+    is_prompt = torch.arange(total) < P  # [total]
+    return P, first_block, last_block, x, is_prompt
+
+
+def _draft_and_edit(logits: torch.Tensor, old: torch.Tensor, masked: torch.Tensor, editable: torch.Tensor,
+                    threshold: float, edit_threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward's decision on logits [n, V] (MASK already -inf): (proposals v, M2T, T2T), each [n]."""
+    v = logits.argmax(dim=-1)  # [n]
+    p = torch.softmax(logits, dim=-1).gather(1, v[:, None])[:, 0]  # [n]
+    m2t = masked & (p > threshold)
+    if masked.any() and int(m2t.sum()) < 1:
+        # fallback: the single masked position with the highest confidence
+        best = torch.where(masked, p, torch.full_like(p, -1.0)).argmax()
+        m2t = torch.zeros_like(masked)
+        m2t[best] = True
+    t2t = ~masked & editable & (v != old) & (p > edit_threshold)
+    return v, m2t, t2t
+
+
+def _output(x: torch.Tensor, P: int, max_new_tokens: int, eos_id: int) -> list[int]:
+    """The output ids: max_new_tokens after the prompt, cut after the first EOS."""
+    out = x[P : P + max_new_tokens].tolist()
+    if eos_id in out:
+        out = out[: out.index(eos_id) + 1]
+    return out
+
+
 def naive_generate(
     model: LogitsModel,
     input_ids: list[int],
@@ -331,13 +367,7 @@ def naive_generate(
 ) -> tuple[list[int], int]:
     """Returns (output_ids, steps); steps counts forwards. Written line for line after facts §3. `controls`:
     fn(logits [positions, V], x, first position, end of the committed output) -> logits (NaiveControls)."""
-    P = len(input_ids)
-    first_block = P // block
-    last_block = (P + max_new_tokens - 1) // block
-    total = (last_block + 1) * block
-    x = torch.full((total,), mask_id, dtype=torch.long)  # [total]
-    x[:P] = torch.tensor(input_ids, dtype=torch.long)
-    is_prompt = torch.arange(total) < P  # [total]
+    P, first_block, last_block, x, is_prompt = _layout(input_ids, max_new_tokens, mask_id, block)
     steps = 0
 
     for b in range(first_block, last_block + 1):
@@ -356,15 +386,7 @@ def naive_generate(
             if controls is not None:
                 logits = controls(logits, x, lo, max(P, lo))
             steps += 1
-            v = logits.argmax(dim=-1)  # [block]
-            p = torch.softmax(logits, dim=-1).gather(1, v[:, None])[:, 0]  # [block]
-            m2t = masked & (p > threshold)
-            if masked.any() and int(m2t.sum()) < 1:
-                # fallback: the single masked position with the highest confidence
-                best = torch.where(masked, p, torch.full_like(p, -1.0)).argmax()
-                m2t = torch.zeros_like(masked)
-                m2t[best] = True
-            t2t = ~masked & ~prompt_here & (v != old) & (p > edit_threshold)
+            v, m2t, t2t = _draft_and_edit(logits, old, masked, ~prompt_here, threshold, edit_threshold)
             update = m2t | t2t
             x[lo:hi] = torch.where(update, v, old)
             if not masked.any() and not t2t.any():
@@ -377,10 +399,7 @@ def naive_generate(
         if not (generated == mask_id).any() and (generated == eos_id).any():
             break
 
-    out = x[P : P + max_new_tokens].tolist()
-    if eos_id in out:
-        out = out[: out.index(eos_id) + 1]
-    return out, steps
+    return _output(x, P, max_new_tokens, eos_id), steps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,13 +423,7 @@ def naive_mbe_generate(
     """Returns (output_ids, steps). Written from the definition, independently of the engine: every forward
     recomputes the whole sequence up to the active block under `mbe_mask`; M2T fills masks of the active
     block, T2T edits any non-prompt token of the open window. window=1 is naive_generate exactly."""
-    P = len(input_ids)
-    first_block = P // block
-    last_block = (P + max_new_tokens - 1) // block
-    total = (last_block + 1) * block
-    x = torch.full((total,), mask_id, dtype=torch.long)  # [total]
-    x[:P] = torch.tensor(input_ids, dtype=torch.long)
-    is_prompt = torch.arange(total) < P  # [total]
+    P, first_block, last_block, x, is_prompt = _layout(input_ids, max_new_tokens, mask_id, block)
     steps = 0
 
     for b in range(first_block, last_block + 1):
@@ -431,14 +444,7 @@ def naive_mbe_generate(
             if controls is not None:
                 logits = controls(logits, x, lo, max(P, lo))  # committed output: [P, window start)
             steps += 1
-            v = logits.argmax(dim=-1)
-            p = torch.softmax(logits, dim=-1).gather(1, v[:, None])[:, 0]
-            m2t = masked & (p > threshold)
-            if masked.any() and int(m2t.sum()) < 1:
-                best = torch.where(masked, p, torch.full_like(p, -1.0)).argmax()
-                m2t = torch.zeros_like(masked)
-                m2t[best] = True
-            t2t = ~masked & editable & (v != old) & (p > edit_threshold)
+            v, m2t, t2t = _draft_and_edit(logits, old, masked, editable, threshold, edit_threshold)
             x[lo:hi] = torch.where(m2t | t2t, v, old)
             if not masked.any() and not t2t.any():
                 break
@@ -446,10 +452,7 @@ def naive_mbe_generate(
         if not (generated == mask_id).any() and (generated == eos_id).any():
             break
 
-    out = x[P : P + max_new_tokens].tolist()
-    if eos_id in out:
-        out = out[: out.index(eos_id) + 1]
-    return out, steps
+    return _output(x, P, max_new_tokens, eos_id), steps
 
 
 class NaiveControls:

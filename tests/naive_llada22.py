@@ -104,17 +104,7 @@ class Block:
         new = sum(1 for i in range(B) if masked[i] and not orig[i])
         n_masked = sum(masked)
         # 6
-        if final or self.step >= s.steps:
-            m2t = list(masked)
-        else:
-            need = self.N // s.steps + (1 if self.step < self.N % s.steps else 0) + new
-            hi = [masked[i] and p[i] > s.threshold for i in range(B)]
-            if sum(hi) >= need:
-                m2t = hi
-            else:
-                order = sorted((i for i in range(B) if masked[i]), key=lambda i: (-p[i], i))
-                chosen = set(order[: min(need, n_masked)])
-                m2t = [i in chosen for i in range(B)]
+        m2t = self._scheduled(masked, p, new, n_masked, final)
         # 7
         if s.max_post_steps == 0 and not any(orig[i] and masked[i] and not m2t[i] for i in range(B)):
             final = True
@@ -131,17 +121,7 @@ class Block:
         y = [v[i] if w[i] else x[i] for i in range(B)]
         # 11
         if not final:
-            tried: dict[int, set[int]] = {}
-            for _ in range(ANTI_LOOP_ROUNDS):
-                if y not in self.seen:
-                    break
-                changed = [i for i in range(B) if y[i] != x[i]]
-                if not changed:
-                    break
-                c = min(changed, key=lambda i: (p[i], i))
-                counts.escapes += 1
-                tried.setdefault(c, set()).add(y[c])
-                y[c] = _argmax_excluding(logits[c], {MASK} | tried[c])
+            self._escape(logits, x, y, p, counts)
             self.seen.append(list(y))
         counts.deletions += sum(1 for i in range(B) if not prompt[i] and y[i] == self.del_id)
         counts.insertions += sum(1 for i in range(B) if not prompt[i] and y[i] == self.spl_id)
@@ -158,6 +138,34 @@ class Block:
             return False
         return not had_mask and not changed_any
 
+
+    def _scheduled(self, masked: list[bool], p: list[float], new: int, n_masked: int, final: bool) -> list[bool]:
+        """Step 6: which masks are written (every one in a final round or past the schedule)."""
+        B, s = len(self.x), self.s
+        if final or self.step >= s.steps:
+            return list(masked)
+        need = self.N // s.steps + (1 if self.step < self.N % s.steps else 0) + new
+        hi = [masked[i] and p[i] > s.threshold for i in range(B)]
+        if sum(hi) >= need:
+            return hi
+        order = sorted((i for i in range(B) if masked[i]), key=lambda i: (-p[i], i))
+        chosen = set(order[: min(need, n_masked)])
+        return [i in chosen for i in range(B)]
+
+    def _escape(self, logits: torch.Tensor, x: list[int], y: list[int], p: list[float], counts: Counts) -> None:
+        """Step 11, in place on y: while y repeats an earlier pre-scan block, its least confident changed position
+        takes its next-best token (MASK and the tokens tried there left out)."""
+        tried: dict[int, set[int]] = {}
+        for _ in range(ANTI_LOOP_ROUNDS):
+            if y not in self.seen:
+                break
+            changed = [i for i in range(len(x)) if y[i] != x[i]]
+            if not changed:
+                break
+            c = min(changed, key=lambda i: (p[i], i))
+            counts.escapes += 1
+            tried.setdefault(c, set()).add(y[c])
+            y[c] = _argmax_excluding(logits[c], {self.mask_id} | tried[c])
 
 def naive_generate_llada22(model: LogitsModel, input_ids: list[int], *, max_new_tokens: int, settings: Settings,
                            mask_id: int, del_id: int, spl_id: int, stop_ids: set[int],

@@ -11,6 +11,7 @@ functions included:
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,70 @@ def test_protocol_and_scheduler_modules_import_no_torch() -> None:
                      for p in (ROOT / part).glob("*.py") if p.stem != "__init__")
     assert len(modules) >= 7
     _imports_without_torch(modules)
+
+
+# ---- decoding rules are units: the runtime names none --------------------------------------------------------
+DECODER_NAME = re.compile(r"levenshtein|[\"']threshold[\"']|threshold (step|rule|decoder)|ThresholdDecoder|"
+                          r"LevenshteinDecoder|\.lev\b|structural", re.IGNORECASE)
+
+
+def test_the_runtime_names_no_decoder() -> None:
+    """The runner, the core and the rest of engine/runtime/ reach a decoding rule only through the registry
+    (engine/decoding/registry.py) and the `Decoder` interface: no rule's name, class or state there, comments
+    included (a rule is one file in engine/decoding/)."""
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "engine" / "runtime").glob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if DECODER_NAME.search(line)]
+    assert hits == []
+
+
+def test_the_checker_finds_decoder_names() -> None:
+    for line in ('if r.params.decoder == "levenshtein":', "self.lev.advance(...)", "ThresholdDecoder(slots)",
+                 "decoder = 'threshold'", "# the threshold step on a 2.2 checkpoint"):
+        assert DECODER_NAME.search(line), line
+    assert not DECODER_NAME.search("s.threshold[slots], s.edit_threshold[slots], r.params.threshold")
+
+
+def test_every_decoder_name_has_one_registered_class() -> None:
+    """The names a request may give (protocol/) are exactly the registered rules, each a Decoder subclass of its
+    own file in engine/decoding/."""
+    from redraft.engine.decoding.decoder import Decoder
+    from redraft.engine.decoding.registry import DECODER_CLASSES
+    from redraft.protocol.sampling_params import DECODERS
+
+    assert sorted(DECODER_CLASSES) == sorted(DECODERS)
+    files = {cls.__module__ for cls in DECODER_CLASSES.values()}
+    assert len(files) == len(DECODER_CLASSES)
+    assert all(issubclass(cls, Decoder) and cls.name == name and cls.__module__.startswith("redraft.engine.decoding.")
+               for name, cls in DECODER_CLASSES.items())
+
+
+# ---- short functions ----------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTIONS_EXEMPT = ("kernels", "training")  # kernels and training loops read best whole
+
+
+def long_functions(path: Path, root: Path = ROOT) -> list[str]:
+    """Functions (methods, nested ones) of more than MAX_FUNCTION_LINES lines, docstring included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [f"{path.relative_to(root)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_longer_than_sixty_lines() -> None:
+    """Outside kernels/ and training/, every function of the project's code fits on a screen: benchmarks,
+    scripts and tests included."""
+    files = [p for p in sorted(ROOT.rglob("*.py")) if p.relative_to(ROOT).parts[0] not in
+             (*LONG_FUNCTIONS_EXEMPT, "redraft", ".git") and ".venv" not in p.parts]
+    files += sorted((ROOT / "redraft").glob("*.py"))  # (its other entries are the linked parts)
+    assert len(files) > 100
+    assert [f for p in files for f in long_functions(p)] == []
+
+
+def test_the_length_check_counts_lines(tmp_path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n" + "    x = 1\n" * 60 + "\n\nclass C:\n    async def g(self):\n" + "        y = 2\n" * 59
+                   + "\n\ndef h():\n    return 1\n")
+    assert long_functions(src, tmp_path) == ["m.py:1 f (61 lines)"]
+    src.write_text("class C:\n    async def g(self):\n" + "        y = 2\n" * 60)
+    assert long_functions(src, tmp_path) == ["m.py:2 g (61 lines)"]

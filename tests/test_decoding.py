@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from redraft.engine.decoding.decoding import SamplingBatch, joint_threshold_step, propose, uniform_noise
+from redraft.engine.decoding.decoding import SamplingBatch, propose, uniform_noise
+from tests.threshold_rows import joint_threshold_step
 from redraft.protocol.sampling_params import Defaults, SamplingParams, SamplingParamsError, resolve
 
 MASK = 9

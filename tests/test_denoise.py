@@ -195,7 +195,7 @@ def test_preemption_rolls_the_maps_back_and_renumbers_the_forwards(ckpt: Path, t
 def test_without_the_flags_nothing_more_is_read_or_recorded(tiny, monkeypatch) -> None:
     """No stream_denoise row in a batch: the step's device read has no confidence columns (denoise_columns is never
     called) and no request holds a recorder."""
-    import redraft.engine.runtime.model_runner as runner_module
+    import redraft.engine.runtime.output as runner_module
     from redraft.scheduler.request import Request
 
     def refuse(*_: object) -> None:

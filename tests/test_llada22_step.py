@@ -155,7 +155,7 @@ def test_levenshtein_rows_decide_without_full_logits(t22: Cache, monkeypatch: py
     request of the same checkpoint as well (its argmax without DELETE and SPLIT)."""
     t = t22[0]
     runner = t.engine.core.runner
-    forward, logits_from = runner.forward, runner._logits_from
+    forward, logits_from = runner.forward, runner.logits_at
     full_logits, positions, rows_read = [], [0], [0]
 
     def spy_forward(plan):
@@ -173,7 +173,7 @@ def test_levenshtein_rows_decide_without_full_logits(t22: Cache, monkeypatch: py
         return counted
 
     monkeypatch.setattr(runner, "forward", spy_forward)
-    monkeypatch.setattr(runner, "_logits_from", spy_logits_from)
+    monkeypatch.setattr(runner, "logits_at", spy_logits_from)
     sp = {"mode": "Q", "max_new_tokens": 64, "ignore_eos": True}
     for salt in (1, 2, 3):
         ids = t.prompt(20, salt=salt)

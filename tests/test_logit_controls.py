@@ -102,7 +102,7 @@ def test_logprobs_stay_finite_for_json():
     -inf/NaN: json.dumps refuses those, which once turned a reply into a 500."""
     import json
 
-    from redraft.engine.runtime.model_runner import LOGPROB_FLOOR, finite_logprobs
+    from redraft.engine.runtime.output import LOGPROB_FLOOR, finite_logprobs
 
     logits = torch.tensor([[0.0, float("-inf"), 1.0], [float("nan"), 0.0, 0.0]], dtype=torch.float64)
     lp = finite_logprobs(logits)

@@ -318,6 +318,26 @@ def _value(metrics, name: str, **labels) -> float:
     return 0.0 if v is None else v
 
 
+def _aborted_and_failed_count_apart(m, lab: dict) -> None:
+    from redraft.protocol.sampling_params import SamplingParams
+
+    # unknown and missing domains are "other"; an aborted request counts as aborted, with no latency
+    m.on_submit("b", SamplingParams(mode="Q", domain="poetry"))
+    m.on_message(_out("b", 0, steps=0, blocks=0, finished=True, reason="abort"))
+    q = dict(lab, mode="Q", domain="other")
+    assert _value(m, "sglang:num_aborted_requests_total", **q) == 1
+    assert _value(m, "sglang:e2e_request_latency_seconds_count", **q) == 0
+    assert _value(m, "sglang:time_to_first_token_seconds_count", **q) == 0
+    assert _value(m, "redraft:failed_requests_total", **q) == 0
+    # one that a failure inside the engine ended: counted as failed, neither aborted nor given a latency
+    m.on_submit("e", SamplingParams(mode="Q", domain="poetry"))
+    m.on_message(_out("e", 0, steps=2, blocks=0, finished=True, reason="error"))
+    assert _value(m, "redraft:failed_requests_total", **q) == 1
+    assert _value(m, "sglang:num_aborted_requests_total", **q) == 1
+    assert _value(m, "sglang:num_requests_total", **q) == 2
+    assert _value(m, "sglang:e2e_request_latency_seconds_count", **q) == 0
+
+
 def test_collector_labels_and_per_block_figures():
     from redraft.protocol.sampling_params import SamplingParams
     from redraft.protocol.messages import Accepted, Rejected
@@ -347,21 +367,7 @@ def test_collector_labels_and_per_block_figures():
     assert _value(m, "redraft:tokens_per_forward_sum", **s) == pytest.approx(60 / 13)
     assert _value(m, "sglang:queue_time_seconds_sum", **s) == 0.25
     assert _value(m, "sglang:e2e_request_latency_seconds_count", **s) == 1
-    # unknown and missing domains are "other"; an aborted request counts as aborted, with no latency
-    m.on_submit("b", SamplingParams(mode="Q", domain="poetry"))
-    m.on_message(_out("b", 0, steps=0, blocks=0, finished=True, reason="abort"))
-    q = dict(lab, mode="Q", domain="other")
-    assert _value(m, "sglang:num_aborted_requests_total", **q) == 1
-    assert _value(m, "sglang:e2e_request_latency_seconds_count", **q) == 0
-    assert _value(m, "sglang:time_to_first_token_seconds_count", **q) == 0
-    assert _value(m, "redraft:failed_requests_total", **q) == 0
-    # one that a failure inside the engine ended: counted as failed, neither aborted nor given a latency
-    m.on_submit("e", SamplingParams(mode="Q", domain="poetry"))
-    m.on_message(_out("e", 0, steps=2, blocks=0, finished=True, reason="error"))
-    assert _value(m, "redraft:failed_requests_total", **q) == 1
-    assert _value(m, "sglang:num_aborted_requests_total", **q) == 1
-    assert _value(m, "sglang:num_requests_total", **q) == 2
-    assert _value(m, "sglang:e2e_request_latency_seconds_count", **q) == 0
+    _aborted_and_failed_count_apart(m, lab)
     m.on_submit("c", SamplingParams())
     m.on_message(Rejected("c", 503, "queue full", "queue_full"))
     assert _value(m, "redraft:rejected_requests_total", code="queue_full", **lab) == 1

@@ -693,25 +693,8 @@ def _assert_aborted(h: Harness, req: Request) -> None:
     assert req.state.finish_reason.kind == "abort"
 
 
-def test_abort_at_every_stage() -> None:
-    h = Harness(max_running_requests=4, max_prefill_tokens=64)
-    rng = random.Random(9)
-    others = [
-        make_req("o0", [rng.randrange(LO, HI) for _ in range(40)], sparams(max_new_tokens=100, mode="Q")),
-        make_req("o1", [rng.randrange(LO, HI) for _ in range(70)], sparams(max_new_tokens=80, mode="S")),
-        make_req("o2", [rng.randrange(LO, HI) for _ in range(33)], sparams(max_new_tokens=120, ignore_eos=True)),
-    ]
-    h.add(others[0], others[1])
-
-    # 1. still waiting, never scheduled
-    w = make_req("w", [rng.randrange(LO, HI) for _ in range(50)], sparams(max_new_tokens=64))
-    h.add(w)
-    assert h.sched.abort("w") is True
-    _assert_aborted(h, w)
-
-    h.step()  # o0 and o1 admitted (their prefill uses this iteration's budget)
-    assert len(h.sched.running) == 2
-
+def _abort_admitted_then_partly_prefilled(h: "Harness", rng: random.Random) -> tuple:
+    """Stages 2 and 3 of test_abort_at_every_stage; returns (a1, a2)."""
     # 2. admitted, no forward yet: aborted between schedule() and update() (while its forward runs)
     a1 = make_req("a1", [rng.randrange(LO, HI) for _ in range(200)], sparams(max_new_tokens=64))
     h.add(a1)
@@ -732,6 +715,29 @@ def test_abort_at_every_stage() -> None:
     assert a2 in h.sched.running and a2.state.stats.steps == 0 and 0 < a2.book.exact_blocks < a2.state.active_block
     assert h.sched.abort("a2") is True
     _assert_aborted(h, a2)
+    return a1, a2
+
+
+def test_abort_at_every_stage() -> None:
+    h = Harness(max_running_requests=4, max_prefill_tokens=64)
+    rng = random.Random(9)
+    others = [
+        make_req("o0", [rng.randrange(LO, HI) for _ in range(40)], sparams(max_new_tokens=100, mode="Q")),
+        make_req("o1", [rng.randrange(LO, HI) for _ in range(70)], sparams(max_new_tokens=80, mode="S")),
+        make_req("o2", [rng.randrange(LO, HI) for _ in range(33)], sparams(max_new_tokens=120, ignore_eos=True)),
+    ]
+    h.add(others[0], others[1])
+
+    # 1. still waiting, never scheduled
+    w = make_req("w", [rng.randrange(LO, HI) for _ in range(50)], sparams(max_new_tokens=64))
+    h.add(w)
+    assert h.sched.abort("w") is True
+    _assert_aborted(h, w)
+
+    h.step()  # o0 and o1 admitted (their prefill uses this iteration's budget)
+    assert len(h.sched.running) == 2
+
+    a1, a2 = _abort_admitted_then_partly_prefilled(h, rng)
 
     # 4. waiting because every slot is taken
     h.add(others[2])

@@ -421,6 +421,29 @@ def _load_plan() -> list[dict]:
     return plan
 
 
+async def _abort_until_done(c, task, rid):
+    for _ in range(200):  # the abort may overtake the request itself: repeat until it ends
+        if task.done():
+            return
+        assert (await c.post("/abort_request", json={"rid": rid})).status_code == 200
+        await asyncio.wait({task}, timeout=0.25)
+    raise AssertionError(f"{rid} did not end after repeated aborts")
+
+
+async def _stream_then_abort_by_rid(c, body: dict, rid: str) -> None:
+    """A streamed /generate aborted by its rid after its first chunk: the stream ends with an abort finish."""
+    async with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines, aborted_sent = [], False
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if line.startswith("data: {") and not aborted_sent:
+                assert (await c.post("/abort_request", json={"rid": rid})).status_code == 200
+                aborted_sent = True
+    chunks, done = _parse_sse(lines)
+    assert done and chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bounded_load_with_aborts_matches_engine_and_leaks_nothing(server, engine):
@@ -431,35 +454,18 @@ def test_bounded_load_with_aborts_matches_engine_and_leaks_nothing(server, engin
     want = engine.generate(input_ids=[p["ids"] for p in normal], sampling_params=[p["params"] for p in normal])
     expected = {p["rid"]: w["output_ids"] for p, w in zip(normal, want)}
 
-    async def abort_until_done(c, task, rid):
-        for _ in range(200):  # the abort may overtake the request itself: repeat until it ends
-            if task.done():
-                return
-            assert (await c.post("/abort_request", json={"rid": rid})).status_code == 200
-            await asyncio.wait({task}, timeout=0.25)
-        raise AssertionError(f"{rid} did not end after repeated aborts")
-
     async def run_one(c, p) -> tuple[str, Any]:
         body = {"input_ids": p["ids"], "sampling_params": p["params"], "rid": p["rid"]}
         if p["kind"] == "close":
             await _stream_first_chunk_then_close(c, body)
             return p["rid"], None
         if p["kind"] == "rid_stream":
-            async with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
-                assert r.status_code == 200
-                lines, aborted_sent = [], False
-                async for line in r.aiter_lines():
-                    lines.append(line)
-                    if line.startswith("data: {") and not aborted_sent:
-                        assert (await c.post("/abort_request", json={"rid": p["rid"]})).status_code == 200
-                        aborted_sent = True
-            chunks, done = _parse_sse(lines)
-            assert done and chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            await _stream_then_abort_by_rid(c, body, p["rid"])
             return p["rid"], None
         if p["kind"] == "rid_plain":
             task = asyncio.ensure_future(c.post("/generate", json=body))
             await asyncio.sleep(0.2)
-            await abort_until_done(c, task, p["rid"])
+            await _abort_until_done(c, task, p["rid"])
             r = await task
             assert r.status_code == 200, r.text
             assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import redraft
 from redraft.engine.decoding.constrained import Constraint
-from redraft.engine.decoding.decoding import joint_threshold_step
+from tests.threshold_rows import joint_threshold_step
 from redraft.engine.text.grammar import GrammarError, Grammars, to_llguidance, tool_call_lark
 from redraft.engine.text.tokenizer import Tokenizer
 from redraft.protocol.sampling_params import SamplingParams

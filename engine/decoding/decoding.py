@@ -1,14 +1,11 @@
-"""The joint-threshold draft-and-edit step (LLaDA2.1's official decoding), for a whole batch at once.
+"""What every decoding rule shares: the proposal of each position from a forward's logits, and the step's result.
 
-One forward proposes a token for every position of each request's open window (its active block; with
-multi-block editing, docs/mbe.md, also the open blocks before it); then, per request:
-    M2T: masked positions whose proposal probability p > threshold are filled (strict >); if none passes,
-         the single masked position with the highest p is filled (top-1 fallback).
-    T2T: already-placed, non-prompt positions whose proposal differs from the current token and has
-         p > edit_threshold are replaced (strict >).
-Both come from the same forward. Everything here is tensor ops over [N, L] (N requests, L window positions,
-padded to the longest window; no per-request Python loop). The
-logits may have been adjusted first by the request's logit controls (engine/decoding/logit_controls.py: penalties,
+One forward proposes a token v and its probability p for every position of each request's open window (its
+active block; with multi-block editing, docs/mbe.md, also the open blocks before it): `propose` on full logits
+(greedy or sampled), or the chunked argmax of kernels/vocab_top1.py for rows that need nothing else. A decoder
+(engine/decoding/decoder.py: threshold.py, levenshtein.py) then decides from v and p which positions change.
+Everything here is tensor ops over [N, L] (N requests, L window positions, padded to the longest window; no
+per-request Python loop). The logits may have been adjusted first by the request's logit controls (engine/decoding/logit_controls.py: penalties,
 logit_bias, min_tokens), so the thresholds see the adjusted probabilities.
 The MASK id is never a proposal: its logit is dropped first (`exclude_mask_`). (A trained LLaDA2 never puts
 mass there; a model that did would leave its position masked and could stall a block forever.)
@@ -16,7 +13,7 @@ mass there; a model that did would leave its position masked and could stall a b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,8 +43,8 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, steps: torch.Ten
 
 @dataclass
 class SamplingBatch:
-    """Per-request sampling inputs for the rows of a step (joint_threshold_step's `sampling`: None when every row
-    is greedy)."""
+    """Per-request sampling inputs for the rows of a step (`propose`'s `sampling`: None when every row is
+    greedy)."""
 
     temperature: torch.Tensor  # [N] float (0 = greedy row)
     top_k: torch.Tensor  # [N] int64 (<= 0: off)
@@ -102,11 +99,9 @@ class StepResult:
     m2t: torch.Tensor  # [N, L] bool: masks filled
     t2t: torch.Tensor  # [N, L] bool: tokens edited
     had_mask: torch.Tensor  # [N] bool: the window held a mask before the step
-    # LLaDA2.2's Levenshtein step (engine/decoding/levenshtein.py), None when no row ran it: per row 1 = the block commits
-    # after this forward, 0 = it goes on, -1 = a 2.1 row (Request.apply_step's own rule); DELETEs and SPLITs applied
-    ended: torch.Tensor | None = None  # [N] long
-    deletions: torch.Tensor | None = None  # [N] long
-    insertions: torch.Tensor | None = None  # [N] long
+    # what a decoder reports beyond the above (Decoder.reports: name -> [N] long), e.g. the Levenshtein step's
+    # `ended`, `deletions`, `insertions`; rows of other decoders hold each report's `fill`
+    reports: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def exclude_mask_(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -114,44 +109,3 @@ def exclude_mask_(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     logprobs then describe the same distribution the step decides on)."""
     logits[..., mask_id] = float("-inf")
     return logits
-
-
-def joint_threshold_step(
-    logits: torch.Tensor,  # [N, L, V]
-    block: torch.Tensor,  # [N, L] current tokens of each window (padding: never MASK)
-    editable: torch.Tensor,  # [N, L] bool: False on prompt positions and padding (never edited)
-    threshold: torch.Tensor,  # [N]
-    edit_threshold: torch.Tensor,  # [N]
-    mask_id: int,
-    sampling: SamplingBatch | None = None,
-    mask_excluded: bool = False,
-) -> StepResult:
-    """The step on `logits`, which it never modifies (mask_excluded=True: the caller already applied
-    exclude_mask_, which saves a copy of the logits)."""
-    if not mask_excluded:
-        logits = exclude_mask_(logits.clone(), mask_id)
-    v, p = propose(logits, sampling)
-    return threshold_step(v, p, block, editable, threshold, edit_threshold, mask_id)
-
-
-def threshold_step(
-    v: torch.Tensor,  # [N, L] the proposal at every position
-    p: torch.Tensor,  # [N, L] its probability
-    block: torch.Tensor,  # [N, L] current tokens of each open window
-    editable: torch.Tensor,  # [N, L] bool
-    threshold: torch.Tensor,  # [N]
-    edit_threshold: torch.Tensor,  # [N]
-    mask_id: int,
-) -> StepResult:
-    """M2T (with the top-1 fallback) and T2T from the proposals alone: what `joint_threshold_step` does after
-    `propose`, and all a greedy row needs (the model runner gets v and p without full logits for those)."""
-    masked = (block == mask_id) & editable  # [N, L]
-    m2t = masked & (p > threshold[:, None].to(p.dtype))
-    # Top-1 fallback: a row with masks but no position above threshold fills its most confident mask.
-    need_fallback = masked.any(-1) & ~m2t.any(-1)  # [N]
-    best = torch.where(masked, p, torch.full_like(p, -1.0)).argmax(-1)  # [N]
-    fallback = torch.zeros_like(m2t).scatter_(1, best[:, None], True) & need_fallback[:, None]
-    m2t = m2t | fallback
-    t2t = ~masked & editable & (v != block) & (p > edit_threshold[:, None].to(p.dtype))
-    tokens = torch.where(m2t | t2t, v, block)
-    return StepResult(tokens=tokens, proposal=v, confidence=p, m2t=m2t, t2t=t2t, had_mask=masked.any(-1))

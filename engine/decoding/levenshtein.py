@@ -1,4 +1,4 @@
-"""LLaDA2.2's Levenshtein step (M2T, T2T, DELETE and SPLIT) for a whole batch at once, with its per-slot state.
+"""`levenshtein`: LLaDA2.2's Levenshtein step (M2T, T2T, DELETE and SPLIT) for a whole batch, with its per-slot state.
 
 THE definition is the project's LLaDA2.2 decoding reference ("Decoding one block", steps 1-13), as
 docs/llada22.md restates it with the choices redraft made; the comments below number the steps the same way. One block of B positions
@@ -9,14 +9,28 @@ Per slot, on the device (`LevenshteinSlots`): the block's original-mask flags `o
 tokens through the structural scan), the initial mask count N, the block's step id, the post counter, the
 finalized flag (the next forward is the stability forward), the request's settings, and `seen`, every
 pre-scan block of this block's non-final steps, kept whole so that the anti-loop test is exact equality.
+
+The step reads whole vocabulary rows only at a few positions (step 7's structural fix, step 11's escapes): it asks
+for them by (row, column) of its [N, B] block (`LogitsAt`), so rows that decided from vocabulary chunks need no
+full logits. `LevenshteinDecoder` is the rule behind the decoder interface (engine/decoding/decoder.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+
+from redraft.engine.decoding.decoder import Decoder, LogitsAt, Report, logits_at_of
+from redraft.engine.decoding.decoding import StepResult
+from redraft.engine.decoding.slots import SlotState
+from redraft.engine.model.config import ModelConfig
+from redraft.protocol.errors import RequestError
+from redraft.protocol.sampling_params import ResolvedParams
+from redraft.scheduler.request import Request
+
+__all__ = ["LevenshteinDecoder", "LevenshteinSlots", "StructuralIds", "levenshtein_step", "logits_at_of",
+           "structural_scan"]
 
 ANTI_LOOP_ROUNDS = 5  # step 11: at most this many next-best escapes per step
 _SEEN_CHUNK = 16  # `seen` grows by this many entries when a slot fills it
@@ -40,18 +54,6 @@ class LevenshteinResult:
     ended: torch.Tensor  # [N] bool: the block commits after this forward (its K/V are exact)
     deletions: torch.Tensor  # [N] long: DELETE written (and applied by the scan)
     insertions: torch.Tensor  # [N] long: SPLIT written (a mask inserted by the scan)
-
-
-# The step reads whole vocabulary rows only at a few positions (step 7's structural fix, step 11's escapes): it asks
-# for them by (row, column) of its [N, B] block, and gets [n, V] logits with MASK at -inf, its own to change. So the
-# caller can hand it rows of full logits, or compute them on demand from the hidden states (model_runner.py: the
-# rows that decided from vocabulary chunks have no full logits).
-LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [n], cols [n]) -> [n, V]
-
-
-def logits_at_of(logits: torch.Tensor) -> LogitsAt:
-    """The LogitsAt of full logits [N, B, V] (MASK at -inf): their rows, copied."""
-    return lambda rows, cols: logits[rows, cols]  # (advanced indexing copies)
 
 
 def scheduled_m2t(p: torch.Tensor, masked: torch.Tensor, need: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -278,3 +280,67 @@ class LevenshteinSlots:
             more = -(-(entries - self.seen.shape[1]) // _SEEN_CHUNK) * _SEEN_CHUNK
             grow = self.seen.new_zeros(self.seen.shape[0], more, self.block_size)
             self.seen = torch.cat([self.seen, grow], dim=1)
+
+
+class LevenshteinDecoder(Decoder):
+    """`decoder: "levenshtein"` (LLaDA2.2 checkpoints, the default there). One block per row; its state of each
+    slot (`LevenshteinSlots`) is not in the request, so a row reloaded mid-block restarts the block. It reports
+    per row whether the block commits after this forward (`ended`) and the DELETEs and SPLITs applied."""
+
+    name = "levenshtein"
+    reads_vocab_rows = True
+    keeps_block_state = True
+    reports = (Report("ended", -1, flag=True), Report("deletions", 0), Report("insertions", 0))
+
+    def __init__(self, slots: SlotState, cfg: ModelConfig, mask_id: int):
+        super().__init__(slots, cfg, mask_id)
+        self.ids = StructuralIds(mask_id, cfg.delete_token_id, cfg.split_token_id)
+        self.rows = LevenshteinSlots(slots.tokens.shape[0], slots.block_size, self.ids, slots.tokens.device)
+
+    @classmethod
+    def runs_on(cls, cfg: ModelConfig) -> bool:
+        return cfg.structural_edits
+
+    @classmethod
+    def implied_by(cls, cfg: ModelConfig) -> bool:
+        return cfg.structural_edits
+
+    @classmethod
+    def admit(cls, params: ResolvedParams, cfg: ModelConfig) -> None:
+        """It needs a checkpoint that predicts DELETE and SPLIT, and runs one block at a time without a grammar:
+        anything else is a 400 that says why."""
+        if not cfg.structural_edits:
+            raise RequestError("decoder 'levenshtein' needs a LLaDA2.2 checkpoint (delete_token_id and "
+                               "split_token_id in config.json); this one has none: use decoder 'threshold'",
+                               param="decoder")
+        if params.mbe_window > 1:
+            raise RequestError(f"mbe_window {params.mbe_window} is not supported with decoder 'levenshtein': its "
+                               "insertions and deletions shift positions inside one block, and multi-block editing "
+                               "of such blocks is not defined; use mbe_window 1 or decoder 'threshold'",
+                               param="mbe_window")
+        if params.grammar is not None:
+            raise RequestError(f"structured output ({params.grammar[0]}) is not supported with decoder "
+                               "'levenshtein': its insertions and deletions move tokens the grammar has already "
+                               "validated; use decoder 'threshold' for constrained output", param=params.grammar[0])
+
+    def load(self, r: Request) -> None:
+        """The step's entry state of r's block (from the row SlotState.sync just loaded)."""
+        i, b, p = r.book.slot, self.slots.block_size, r.params
+        self.rows.load(i, self.slots.tokens[i, :b], self.slots.editable[i, :b], p.steps, p.max_post_steps,
+                       p.max_steps_per_block)
+
+    def step(self, v: torch.Tensor, p: torch.Tensor, slots: torch.Tensor, reqs: list[Request],
+             logits_at: LogitsAt | None) -> StepResult:
+        s, b, (n, width) = self.slots, self.slots.block_size, v.shape
+        # (a bound on the history rows the step may append to, known here without a sync)
+        history = max(r.state.stats.steps - r.state.block_start_stats.steps for r in reqs) + 1
+        res = self.rows.advance(logits_at, v[:, :b], p[:, :b], slots, s.tokens[slots, :b], s.threshold[slots],
+                                s.edit_threshold[slots], history)
+        s.tokens[slots, :b] = res.tokens
+        s.steps[slots] += 1
+        m2t = torch.zeros(n, width, dtype=torch.bool, device=v.device)  # [N, L]: the block is the window's start
+        t2t = torch.zeros_like(m2t)
+        m2t[:, :b], t2t[:, :b] = res.m2t, res.t2t
+        return StepResult(tokens=s.tokens[slots, :width], proposal=v, confidence=p, m2t=m2t, t2t=t2t,
+                          had_mask=res.had_mask, reports={"ended": res.ended.long(), "deletions": res.deletions,
+                                                          "insertions": res.insertions})

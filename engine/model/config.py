@@ -63,6 +63,11 @@ class ModelConfig:
         return self.delete_token_id is not None and self.split_token_id is not None
 
     @property
+    def edit_token_ids(self) -> tuple[int, ...]:
+        """The ids that are edits, not text (LLaDA2.2's DELETE and SPLIT): outside logprobs and likelihoods."""
+        return (self.delete_token_id, self.split_token_id) if self.structural_edits else ()  # type: ignore[return-value]
+
+    @property
     def is_moe_layer(self) -> list[bool]:
         return [i >= self.first_k_dense_replace for i in range(self.num_hidden_layers)]
 

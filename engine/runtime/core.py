@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from redraft.engine.decoding.constrained import Constraint
-from redraft.engine.decoding.denoise_trace import streaming_requests
+from redraft.engine.decoding.registry import decoder_class
 from redraft.engine.runtime.faults import FaultInjector
 from redraft.engine.text.grammar import GrammarError, Grammars, max_output_tokens
 from redraft.engine.text.grammar_sandbox import GrammarSandbox
@@ -39,6 +39,8 @@ from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams, Samplin
 from redraft.protocol.server_args import ServerArgs
 from redraft.scheduler.request import FinishReason, Request, Status, stop_ids
 from redraft.scheduler.scheduler import QueueFull, RequestTooLarge, StepOutput, WorkItem, describe, error_reason
+
+Batch = list[tuple[list[WorkItem], StepOutput]]  # a batch's items (in parts, when isolating a failure), each's step
 
 log = logging.getLogger("redraft.engine")
 
@@ -85,10 +87,22 @@ class EngineCore:
         self.scheduler.pages_held_elsewhere = lambda: self.scoring.leases.count > 0
         self._fault_streak: tuple[str, set[str]] = ("", set())  # forward failures alike in a row, their rids
         self.num_request_failures = 0
+        self._streaming: set[str] = set()  # requests in flight that stream their forwards (stream_denoise)
         # the next forward runs while the host finishes this iteration (engine/runtime/overlap.py)
         self.overlap = Overlap(self.runner, self.scheduler, off_reason(args))
         log.info("overlap scheduler: %s", "on" if self.overlap.enabled else f"off ({self.overlap.reason_off})")
         self.weights = WeightControl(self)  # weight versions and updates, pause/continue (docs/rl.md)
+
+    @property
+    def overlap(self) -> Overlap:
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, overlap: Overlap) -> None:
+        """The overlap scheduler, which wraps the runner when on: the loop calls `_run_batch` and nothing else."""
+        self._overlap = overlap
+        self._run_batch = (lambda items: overlap.run(items, busy=bool(self.scoring.jobs))) if overlap.enabled \
+            else self.runner.run
 
     @property
     def num_overlapped_forwards(self) -> int:
@@ -125,6 +139,8 @@ class EngineCore:
         for req in reqs:
             self._requests[req.rid] = req
             self._progress[req.rid] = _Progress(now)
+            if req.params.stream_denoise:
+                self._streaming.add(req.rid)
         return [Accepted(req.rid, req.params.mode, req.params.max_new_tokens) for req in reqs]
 
     def _prepare(self, rid: str, input_ids: list[int], params: SamplingParams) -> Request:
@@ -163,31 +179,12 @@ class EngineCore:
         if resolved.min_tokens > resolved.max_new_tokens:
             raise RequestError(f"min_tokens ({resolved.min_tokens}) is larger than max_new_tokens "
                                f"({resolved.max_new_tokens})", param="min_tokens")
-        self._check_decoder(resolved)
+        decoder_class(resolved.decoder).admit(resolved, self.model_config)
         if resolved.temperature > 0 and resolved.seed is None:  # sampled, unseeded: a fresh seed of its own
             resolved = replace(resolved, seed=self._seeds.getrandbits(62))
         constraint = self._constraint(rid, len(ids), resolved) if resolved.grammar is not None else None
         return Request(rid, ids, resolved, mask_id, self.tokenizer.eos_token_ids, trace_edits=self.args.trace_edits,
                        constraint=constraint)
-
-    def _check_decoder(self, params: ResolvedParams) -> None:
-        """The Levenshtein step (LLaDA2.2, docs/llada22.md) needs a checkpoint that predicts DELETE and SPLIT, and
-        runs one block at a time without a grammar: anything else is a 400 that says why."""
-        if not params.levenshtein:
-            return
-        if not self.model_config.structural_edits:
-            raise RequestError("decoder 'levenshtein' needs a LLaDA2.2 checkpoint (delete_token_id and "
-                               "split_token_id in config.json); this one has none: use decoder 'threshold'",
-                               param="decoder")
-        if params.mbe_window > 1:
-            raise RequestError(f"mbe_window {params.mbe_window} is not supported with decoder 'levenshtein': its "
-                               "insertions and deletions shift positions inside one block, and multi-block editing "
-                               "of such blocks is not defined; use mbe_window 1 or decoder 'threshold'",
-                               param="mbe_window")
-        if params.grammar is not None:
-            raise RequestError(f"structured output ({params.grammar[0]}) is not supported with decoder "
-                               "'levenshtein': its insertions and deletions move tokens the grammar has already "
-                               "validated; use decoder 'threshold' for constrained output", param=params.grammar[0])
 
     def _constraint(self, rid: str, prompt_len: int, params: ResolvedParams) -> Constraint:
         """The grammar state of a constrained request; RequestError naming the field when it does not compile."""
@@ -239,44 +236,66 @@ class EngineCore:
         return self.scheduler.can_progress() or bool(self.scoring.jobs)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, one forward for the whole batch, apply the decoding step, one chunk of
-        likelihood work; then the output of every request that committed a block or finished (aborts and
-        error finishes included) since the last call. A failure that concerns one request ends that request
-        alone (see `fail`); EngineFault when the engine itself is broken."""
+        """One iteration: schedule -> run (one forward for the whole batch and its decoding step) -> update ->
+        report, with one chunk of likelihood work between update and report; the output of every request that
+        committed a block or finished (aborts and error finishes included) since the last call. A failure that
+        concerns one request ends that request alone (see `fail`); EngineFault when the engine itself is broken."""
         items = self.scheduler.schedule() if self.scheduler.has_work() else []
         if items:
             now = time.monotonic()
-            for it in items:  # a request's first batch ends its time in the queue
-                t = self._progress.get(it.req.rid)
-                if t is not None and t.queue_time is None:
-                    t.queue_time, t.first_forward = now - t.enqueued, self.num_forwards
-            parts = self._run_isolating(items, self.overlap.take(items))
-            self.overlap.launch(items, parts, busy=bool(self.scoring.jobs))  # forward k+1 runs during the update
-            for part, out in parts:
-                for rid, (stage, exc) in out.failed.items():
-                    self.fail(rid, exc, stage)
-                self.scheduler.update(part, out)
+            self._started(items, now)
+            for part, out in self._run_isolating(items, self._run_batch):
+                self._update(part, out)
             self.num_forwards += 1
             self.scoring.decoded(time.monotonic() - now)
         else:
             self.overlap.settle()
+        self._score_chunk(decoding=bool(items))
+        return self._report(items)
+
+    def _started(self, items: list[WorkItem], now: float) -> None:
+        for it in items:  # a request's first batch ends its time in the queue
+            t = self._progress.get(it.req.rid)
+            if t is not None and t.queue_time is None:
+                t.queue_time, t.first_forward = now - t.enqueued, self.num_forwards
+
+    def _update(self, items: list[WorkItem], out: StepOutput) -> None:
+        for rid, (stage, exc) in out.failed.items():
+            self.fail(rid, exc, stage)
+        self.scheduler.update(items, out)
+
+    def _score_chunk(self, decoding: bool) -> None:
         if self.scoring.jobs:
             self.overlap.settle()  # (none was started: likelihood chunks never run beside a forward)
-        self.scoring.advance(decoding=bool(items), faults=self.faults)
+            self.scoring.advance(decoding=decoding, faults=self.faults)
+
+    def _report(self, items: list[WorkItem]) -> list[RequestOutput]:
         updated = self.scheduler.drain_updates()
-        streaming = streaming_requests(items, updated)  # stream_denoise: a message for every forward
+        streaming = self._streaming_requests(items, updated) if self._streaming else []
         outs = [self._output_guarded(req) for req in updated + streaming]
         # A block that ended inside an open MBE window committed nothing yet: no message until something does.
         return [o for o in outs if o.new_ids or o.finished or o.denoise]
 
-    def _run_isolating(self, items: list[WorkItem], first_try: Any = None
-                       ) -> list[tuple[list[WorkItem], StepOutput]]:
-        """The forward of `items` (`first_try`: the decision on a speculative forward of them, engine/runtime/overlap.py;
-        else ModelRunner.run); when it raises, the same items in halves (recursively), so that only the
-        requests whose forward fails on their own end (error finish) and the rest run as they would have.
-        A half's rows are reloaded from its requests first (the failed attempt may have advanced them)."""
+    @staticmethod
+    def _streaming_requests(items: list[WorkItem], updated: list[Request]) -> list[Request]:
+        """stream_denoise: the requests of this batch with a forward event waiting that are not in `updated`
+        already (those get their message anyway)."""
+        seen = {r.rid for r in updated}
+        out = []
+        for it in items:
+            r = it.req
+            if r.params.stream_denoise and r.state.trace is not None and r.state.trace.pending and r.rid not in seen:
+                seen.add(r.rid)
+                out.append(r)
+        return out
+
+    def _run_isolating(self, items: list[WorkItem], run: Any = None) -> Batch:
+        """The forward and step of `items` (`run`: ModelRunner.run, or the overlap scheduler's wrapper of it);
+        when it raises, the same items in halves (recursively, serially), so that only the requests whose
+        forward fails on their own end (error finish) and the rest run as they would have. A half's rows are
+        reloaded from its requests first (the failed attempt may have advanced them)."""
         try:
-            out = (first_try or self.runner.run)(items)
+            out = (run or self.runner.run)(items)
             self._fault_streak = ("", set())
             return [(items, out)]
         except Exception as exc:  # noqa: BLE001 - attributed below, or an EngineFault
@@ -303,9 +322,11 @@ class EngineCore:
             raise EngineFault(f"the forward failed alike for {len(rids)} requests in a row: {key}") from exc
 
     def _reset_rows(self, items: list[WorkItem]) -> None:
-        for it in items:  # the Levenshtein step's row state is not in the request: its block starts over
-            if it.req.params.levenshtein and it.req.state.status is Status.RUNNING and not it.req.finished:
-                it.req.restart_block()
+        for it in items:  # a decoder's own row state is not in the request: its block starts over
+            req = it.req
+            if decoder_class(req.params.decoder).keeps_block_state and req.state.status is Status.RUNNING \
+                    and not req.finished:
+                req.restart_block()
         self.runner.slots.forget([it.req for it in items])  # resynced from the requests before their next forward
 
     def _output_guarded(self, req: Request) -> RequestOutput:
@@ -318,6 +339,7 @@ class EngineCore:
             self.scheduler.forget_update(req.rid)  # this is its last message
             self._requests.pop(req.rid, None)
             self._progress.pop(req.rid, None)
+            self._streaming.discard(req.rid)
             finish = req.state.finish_reason
             reason = finish if finish is not None and finish.kind == "error" else error_reason(exc)
             return RequestOutput(req.rid, [], True, reason.to_json(), None, None,
@@ -333,6 +355,7 @@ class EngineCore:
         meta: dict[str, Any] = {"steps": req.state.stats.steps, "blocks": req.state.stats.blocks}
         if req.finished:
             self._requests.pop(req.rid, None)
+            self._streaming.discard(req.rid)
             meta = self._final_meta(req, len(ids), self._progress.pop(req.rid, None))
             meta.update(self.weights.request_meta(req.rid))  # the weight version it ran on
         events = req.state.trace.take_events() if req.state.trace is not None and req.params.stream_denoise else None
@@ -471,6 +494,7 @@ class EngineCore:
             self.scheduler.abort(rid)
         self.scheduler.drain_updates()
         self._requests.clear()
+        self._streaming.clear()
         if getattr(self, "_tp_workers", None) is not None:
             self._tp_workers.stop()
             self._tp_workers = None

@@ -33,7 +33,8 @@ from redraft.kernels.attention import AttentionMetadata
 from redraft.kernels.moe import compute_dtype
 
 if TYPE_CHECKING:
-    from redraft.engine.runtime.model_runner import ForwardBatch, ModelRunner
+    from redraft.engine.runtime.batch import ForwardBatch
+    from redraft.engine.runtime.model_runner import ModelRunner
     from redraft.scheduler.scheduler import WorkItem
 
 log = logging.getLogger("redraft.cuda_graphs")

@@ -60,3 +60,15 @@ class FaultInjector:
 
 
 NO_FAULTS = FaultInjector([])
+
+Failures = dict[str, tuple[str, BaseException]]  # rid -> (stage, exception): the requests a step ends alone
+
+
+def guard(faults: FaultInjector, failed: Failures, rid: str, stage: str, fn, *args) -> None:
+    """One request's share of a stage of the step; an exception is recorded as that request's failure (EngineCore
+    logs it and ends that request with an error finish) instead of ending the batch."""
+    try:
+        faults.check(stage, rid)
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - ends this request only
+        failed[rid] = (stage, exc)

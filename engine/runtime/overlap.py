@@ -48,7 +48,9 @@ from typing import Any
 
 import torch
 
-from redraft.engine.runtime.model_runner import Forward, ForwardBatch, ForwardPlan, ModelRunner, build_forward_batch
+from redraft.engine.runtime.batch import ForwardBatch, ForwardPlan, build_forward_batch
+from redraft.engine.runtime.forward import Forward
+from redraft.engine.runtime.model_runner import ModelRunner
 from redraft.scheduler.page_pool import PagePool
 from redraft.scheduler.request import Request
 from redraft.scheduler.scheduler import Scheduler, StepOutput, WorkItem
@@ -123,8 +125,8 @@ def _next_block_follows(req: Request, window: list[int], block_size: int) -> boo
 def same_forward(a: ForwardPlan, b: ForwardPlan) -> bool:
     """Whether two plans describe the same forward: equal inputs, geometry and decision split."""
     x, y = a.batch, b.batch
-    return (a.decoding == b.decoding and a.lens == b.lens and a.quick == b.quick and a.plain == b.plain
-            and a.graphs == b.graphs
+    return (a.decoding == b.decoding and a.lens == b.lens and a.quick == b.quick and a.excluded == b.excluded
+            and a.keep_hidden == b.keep_hidden and a.graphs == b.graphs
             and x.q_starts == y.q_starts and x.q_lens == y.q_lens and x.page_tables == y.page_tables
             and x.window_starts == y.window_starts and torch.equal(x.input_ids, y.input_ids))
 
@@ -137,8 +139,9 @@ class _Speculation:
 
 
 class Overlap:
-    """The speculative next forward of an `EngineCore` (module docstring). `launch` after a step's decision,
-    `take` after the next schedule, `settle` before any other use of the device."""
+    """The speculative next forward of an `EngineCore` (module docstring): it wraps the runner. `run` is
+    ModelRunner.run with the speculation around it (`take` the last one, then `launch` the next); `settle`
+    before any other use of the device."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, reason_off: str | None,
                  inline: bool | None = None):
@@ -158,17 +161,24 @@ class Overlap:
     def enabled(self) -> bool:
         return self.reason_off is None
 
-    def launch(self, items: list[WorkItem], parts: list[tuple[list[WorkItem], StepOutput]], busy: bool) -> None:
-        """After step k's decision, before its update (`parts`: what EngineCore._run_isolating returned): start
-        forward k+1 (queued on CUDA, on the worker thread on CPU) when the batch ran whole and without failures
-        and the next one can repeat it. `busy`: other device work is queued (likelihood jobs), which must not
-        run beside a forward."""
-        if not self.enabled or busy or len(parts) != 1 or parts[0][0] is not items or parts[0][1].failed:
+    def run(self, items: list[WorkItem], busy: bool = False) -> StepOutput:
+        """ModelRunner.run of `items`: the decision on the speculative forward when it was the forward of exactly
+        these items, else the serial path; then forward k+1 is launched (it runs while the caller updates the
+        requests). `busy`: other device work is queued (likelihood jobs), which must not run beside a forward."""
+        decide = self.take(items)
+        out = decide(items) if decide is not None else self.runner.run(items)
+        self.launch(items, out, busy)
+        return out
+
+    def launch(self, items: list[WorkItem], out: StepOutput, busy: bool) -> None:
+        """After step k's decision `out`, before its update: start forward k+1 (queued on CUDA, on the worker
+        thread on CPU) when the batch ran without failures and the next one can repeat it."""
+        if not self.enabled or busy or out.failed:
             return
         sched = self.scheduler
         if sched.waiting and len(sched.running) < sched.config.max_running_requests or sched.config.recompute_prefix:
             return  # an admission would change the batch; every query of a recompute_prefix run starts at 0
-        guess = next_iteration(items, parts[0][1], self.runner.block_size, self.runner.mask_id, sched.pool)
+        guess = next_iteration(items, out, self.runner.block_size, self.runner.mask_id, sched.pool)
         if guess is None:
             return
         plan = self.runner.plan(*guess)  # (a new block's window is one block, like the ended one's)

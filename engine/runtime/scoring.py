@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from redraft.engine.decoding.decoding import exclude_mask_
-from redraft.engine.runtime.model_runner import ModelRunner, finite_logprobs
+from redraft.engine.runtime.model_runner import ModelRunner
+from redraft.engine.runtime.output import finite_logprobs
 from redraft.kernels.attention import AttentionMetadata
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import ScoreResult
@@ -157,8 +158,8 @@ def score_forward(runner: ModelRunner, queries: list[Query], reads: list[list[tu
     if not flat:
         return [[] for _ in queries]
     logits = exclude_mask_(model.logits(hidden, torch.tensor(flat, device=dev)), runner.mask_id)  # [R, V]
-    if runner.structural is not None:  # LLaDA2.2: DELETE and SPLIT are edits, not text: left out as MASK is
-        logits[:, [runner.structural.delete, runner.structural.split]] = float("-inf")
+    if runner.non_text_ids:  # LLaDA2.2: DELETE and SPLIT are edits, not text: left out as MASK is
+        logits[:, list(runner.non_text_ids)] = float("-inf")
     lp = finite_logprobs(logits)  # [R, V]
     want = torch.tensor([tok for rs in reads for _, tok in rs], device=dev)  # [R]
     chosen = lp.gather(-1, want[:, None]).squeeze(-1).tolist()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from redraft.engine.decoding.registry import implied_decoder
 from redraft.engine.model.config import ModelConfig
 from redraft.engine.model.model_path import resolve_model_path
 from redraft.engine.model.loader import load_model, resolve_dtype, resolve_quantization
@@ -100,9 +101,10 @@ def start_engine(args: ServerArgs) -> EngineParts:
                          f"max_position_embeddings ({config.max_position_embeddings})")
     tokenizer = Tokenizer.from_pretrained(path, args.chat_template)
     # The defaults chain below the request: the operator's explicit flags, then generation_config.json, then
-    # what the checkpoint itself implies (LLaDA2.2's Levenshtein step where it predicts DELETE and SPLIT).
+    # what the checkpoint itself implies (a decoding rule of its own: engine/decoding/registry.py).
+    implied = implied_decoder(config)
     levels = (args.request_defaults(), read_generation_config(path),
-              Defaults(decoder="levenshtein") if config.structural_edits else Defaults())
+              Defaults(decoder=implied) if implied else Defaults())
     t0 = time.perf_counter()
     # tensor parallelism: this process is rank 0 and loads only its shard (engine/model/sharding.py) while the other
     # ranks, started first, load theirs (engine/model/tensor_parallel.py)

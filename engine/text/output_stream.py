@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from redraft.engine.decoding.denoise_trace import commit_event, text_event
+from redraft.engine.text.denoise_events import commit_event, text_event
 from redraft.engine.text.detokenizer import StreamingDetokenizer
 from redraft.protocol.messages import AbortReq, RequestOutput
 

@@ -1,25 +1,9 @@
-"""The engine's side of watching the decoding (docs/denoise.md): which requests get a message for a forward that
-committed nothing. The per-request recorder is scheduler/denoise_trace.py; the HTTP side's is server/denoise.py."""
+"""Watching the decoding (docs/denoise.md), as clients read it: the events of a request's forwards with their
+text. The per-request recorder is scheduler/denoise_trace.py; which requests get a message for a forward that
+committed nothing is EngineCore's (`_streaming_requests`); the HTTP side's stream is server/denoise.py. Torch-free.
+"""
 
 from __future__ import annotations
-
-from redraft.scheduler.request import Request
-from redraft.scheduler.scheduler import WorkItem
-
-
-def streaming_requests(items: list[WorkItem], updated: list[Request]) -> list[Request]:
-    """The requests of this iteration's batch that stream their forwards (stream_denoise), have an event waiting
-    and are not in `updated` already (those get their message anyway)."""
-    if not items:
-        return []
-    seen = {r.rid for r in updated}
-    out = []
-    for it in items:
-        r = it.req
-        if r.params.stream_denoise and r.state.trace is not None and r.state.trace.pending and r.rid not in seen:
-            seen.add(r.rid)
-            out.append(r)
-    return out
 
 
 def commit_event(index: int, forwards: int, committed_ids: int, committed_text: str) -> dict:
