@@ -62,7 +62,7 @@ def accuracy(args: argparse.Namespace) -> dict:
 
     model = args.model
     if model is None:
-        from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+        from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
 
         model = str(BUNDLED_MODEL_DIR)
     modes = ["S", "S-W2", "S-W3", "Q", "Q-W2", "Q-W3"]

@@ -161,7 +161,7 @@ def _load_rank0(path: str, tp: int, dtype: str, out: Any) -> None:
     from redraft.engine.model.config import ModelConfig
     from redraft.engine.model.loader import load_model
     from redraft.engine.model.sharding import RankLayout
-    from redraft.engine.model.tensor_parallel import peak_memory_bytes, weight_bytes
+    from redraft.engine.runtime.tensor_parallel import peak_memory_bytes, weight_bytes
 
     before = peak_memory_bytes("cpu")  # torch and redraft imported, nothing loaded
     t0 = time.perf_counter()

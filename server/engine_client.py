@@ -34,8 +34,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from redraft.engine.runtime.child_process import group_signals_blocked
-from redraft.engine.runtime.engine_process import run_engine_process
+from redraft.protocol.processes import group_signals_blocked
+from redraft.engine.text.launch import run_engine_process
 from redraft.protocol.errors import duplicate_request_id
 from redraft.protocol.messages import (
     Accepted, AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq,

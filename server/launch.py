@@ -1,7 +1,7 @@
 """`redraft serve`: start the engine process, then the HTTP server in this process.
 
 This process alone acts on SIGINT/SIGTERM, also when a supervisor signals the whole process group (the engine
-and its ranks ignore both: engine/runtime/child_process.py): the first signal drains (`DrainingServer`), then uvicorn's
+and its ranks ignore both: protocol/processes.py): the first signal drains (`DrainingServer`), then uvicorn's
 shutdown hook stops the engine process (ShutdownReq; killed if it does not stop in time); a second signal stops
 at once and kills the children. On the way out every child process still there is ended and the socket folder
 removed, whatever the exit path. The engine also dies by itself if this process disappears (a SIGKILL).
@@ -23,8 +23,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from redraft.engine.runtime.child_process import end_children
-from redraft.engine.model.model_path import resolve_model_path
+from redraft.protocol.processes import end_children
+from redraft.engine.text.model_path import resolve_model_path
 from redraft.engine.text.tokenizer import Tokenizer
 from redraft.protocol.log_safety import RateLimitedLoopErrors, install_log_safety
 from redraft.protocol.server_args import ServerArgs

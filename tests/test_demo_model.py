@@ -15,7 +15,7 @@ import pytest
 import redraft
 import redraft.engine.text.tokenizer
 from live_server import RedraftServer
-from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
 from redraft.training.evaluate import model_suite
 from redraft.training.tasks import (SUITES, eval_set, is_correct, make_chat, make_code, make_count, make_json,
                                     make_math, make_repeat, make_reverse, make_sort, make_tool, render_prompt,

@@ -30,7 +30,7 @@ COUNT = "Count from 310 to 345."  # the demo model counts with edits along the w
 @pytest.fixture(scope="module")
 def count_text() -> str:
     """COUNT as /generate's raw text: through the demo model's chat template."""
-    from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+    from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
     from redraft.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(BUNDLED_MODEL_DIR)

@@ -117,14 +117,14 @@ def test_pages_are_returned_after_every_call(engine):
 
 
 def test_engine_without_a_model_serves_the_bundled_demo_model():
-    from redraft.engine.model.model_path import BUNDLED_MODEL_DIR, default_model_path
+    from redraft.engine.text.model_path import BUNDLED_MODEL_DIR, default_model_path
 
     assert (BUNDLED_MODEL_DIR / "config.json").is_file(), "the demo model is package data: is it installed?"
     assert default_model_path() == BUNDLED_MODEL_DIR
 
 
 def test_without_a_bundled_model_a_tiny_random_one_and_a_warning(tmp_path, monkeypatch, caplog):
-    import redraft.engine.model.model_path as model_path
+    import redraft.engine.text.model_path as model_path
 
     monkeypatch.setattr(Path, "home", classmethod(lambda cls: tmp_path))
     monkeypatch.setattr(model_path, "BUNDLED_MODEL_DIR", tmp_path / "not-installed")

@@ -297,7 +297,7 @@ def _hub_cache(root: Path, repo: str, refs: dict[str, Path]) -> Path:
 
 def test_hub_repo_ids_resolve_from_the_cache_offline(ckpt, tiny_checkpoint, tmp_path, monkeypatch) -> None:
     import redraft
-    from redraft.engine.model.model_path import resolve_model_path
+    from redraft.engine.text.model_path import resolve_model_path
 
     other = tiny_checkpoint(seed=5)
     cache = _hub_cache(tmp_path / "hub", "inclusionAI/LLaDA2.1-tiny", {"main": ckpt, "v2": other})

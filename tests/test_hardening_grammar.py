@@ -22,7 +22,7 @@ import pytest
 
 from live_server import RedraftServer, assert_error_shape, proc_stat, still_running
 from redraft.engine.decoding.constrained import Constraint, GrammarDeadEnd
-from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
 from redraft.engine.text.grammar import (MAX_OBJECT_PROPERTIES, MAX_REF_DEPTH, MAX_SCHEMA_DEPTH, GrammarError,
                                     Grammars, check_bounds)
 from redraft.engine.text.grammar_sandbox import GrammarSandbox
@@ -276,7 +276,7 @@ WORKER_PARENT = """
 import json, os, sys
 from redraft.engine.text.grammar_sandbox import GrammarSandbox
 from redraft.engine.text.tokenizer import Tokenizer
-from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
 sb = GrammarSandbox.for_tokenizer(Tokenizer.from_pretrained(BUNDLED_MODEL_DIR), int(sys.argv[1]), workers=1)
 sb.check("regex", "[a-z]+")
 print(json.dumps(sb.worker_pids()), flush=True)

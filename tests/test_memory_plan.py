@@ -43,7 +43,7 @@ def test_the_plan_is_what_a_rank_loads(tiny_checkpoint) -> None:
     from redraft.engine.model.config import ModelConfig
     from redraft.engine.model.loader import load_model
     from redraft.engine.model.sharding import RankLayout
-    from redraft.engine.model.tensor_parallel import weight_bytes
+    from redraft.engine.runtime.tensor_parallel import weight_bytes
 
     path = tiny_checkpoint(seed=0)
     cfg_json = json.loads((path / "config.json").read_text())

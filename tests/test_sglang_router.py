@@ -18,7 +18,7 @@ import pytest
 from live_server import RedraftServer, free_port
 from optional_tools import need_module
 
-from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
 from redraft.engine.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

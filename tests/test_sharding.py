@@ -10,7 +10,7 @@ import torch
 from redraft.engine.model.config import ModelConfig
 from redraft.engine.model.loader import load_model
 from redraft.engine.model.sharding import RankLayout, check_layout, shard_model_
-from redraft.engine.model.tensor_parallel import weight_bytes
+from redraft.engine.runtime.tensor_parallel import weight_bytes
 
 # head_dim 128 and intermediates of 256: every rank's share is whole 128-blocks, as FP8 with tp 2 needs
 ALIGNED = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 256,

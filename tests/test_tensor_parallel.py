@@ -40,7 +40,7 @@ def test_two_ranks_give_the_single_process_tokens(ckpt, single, ep):
         moe = eng.core.model.layers[1].mlp
         assert moe.w13.shape[0] == (cfg.num_experts // 2 if ep == 2 else cfg.num_experts)
         assert eng.core.model.lm_head.weight.shape[0] == eng.core.model.embed.weight.shape[0] == cfg.vocab_size // 2
-        from redraft.engine.model.tensor_parallel import weight_bytes
+        from redraft.engine.runtime.tensor_parallel import weight_bytes
 
         with redraft.Engine(str(ckpt), dtype="float64", progress=False) as whole:
             full = weight_bytes(whole.core.model)

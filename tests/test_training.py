@@ -324,7 +324,7 @@ def test_train_settings_override_and_merge() -> None:
 def test_eval_demo_set_applies_a_sampling_parameter_to_every_setting(capsys) -> None:
     """`redraft eval-demo --set threshold=1.0`: no probability beats 1.0 (strict >), so every forward fills only
     its one fallback mask; an unknown parameter is an error that lists the known ones."""
-    from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+    from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
     from redraft.training.evaluate import evaluate, main
 
     free = evaluate(str(BUNDLED_MODEL_DIR), 2, ["S"], families=["count"])

@@ -165,7 +165,7 @@ def test_low_count_starts_put_long_counts_at_the_digit_crossing() -> None:
 # ----- suite v3: structured output (json, tool calls) --------------------------------------------------------
 def test_v3_json_and_tool_answers_are_what_the_template_renders_and_held_out_like_math() -> None:
     from redraft.engine.text.tokenizer import Tokenizer
-    from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+    from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
 
     tok = Tokenizer.from_pretrained(BUNDLED_MODEL_DIR)
     assert tasks.SUITES["v3"] == (*FAMILIES_V2, "json", "tool")

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
     args = p.parse_args(argv)
     model = args.model
     if model is None:
-        from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+        from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
 
         if not (BUNDLED_MODEL_DIR / "config.json").is_file():
             p.error(f"no bundled demo model in this install ({BUNDLED_MODEL_DIR}); pass --model DIR")

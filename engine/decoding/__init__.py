@@ -1,1 +1,1 @@
-"""The decoding rules: the draft-and-edit threshold step (LLaDA2.0/2.1), the Levenshtein step (LLaDA2.2), logit controls, grammar constraints, the denoise trace."""
+"""The decoding room: the rules behind the `Decoder` interface (`registry`: threshold for LLaDA2.0/2.1, levenshtein for LLaDA2.2), the proposals they share, the per-slot state, logit controls, grammar constraints. Imports protocol/, scheduler/ and the model and text rooms; never the runtime."""

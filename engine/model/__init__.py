@@ -1,1 +1,1 @@
-"""The LLaDA2-MoE model and its weights: config, the forward, checkpoint loading, tensor-parallel sharding, FP8, tiny test checkpoints, where a checkpoint lives."""
+"""The model room: the LLaDA2-MoE model and its weights (config, the forward, checkpoint loading, tensor-parallel sharding of the weights, FP8, tiny test checkpoints). Imports protocol/, kernels/ and the text room."""

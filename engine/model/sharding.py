@@ -210,7 +210,7 @@ def shard_model_(model: nn.Module, layout: RankLayout) -> nn.Module:
 
 class VocabShardEmbedding(nn.Module):
     """The embedding rows [start, start + len(weight)) of a vocabulary-parallel rank: ids outside them give zero
-    rows, so the sum over the ranks (an all-reduce, engine/model/tensor_parallel.py) is the full lookup, exactly."""
+    rows, so the sum over the ranks (an all-reduce, engine/runtime/tensor_parallel.py) is the full lookup, exactly."""
 
     def __init__(self, weight: torch.Tensor, start: int):
         super().__init__()

@@ -1,1 +1,1 @@
-"""The engine process: EngineCore (admit, step, report), the model runner, CUDA graphs, overlap, likelihood jobs, start-up, the process loop and its children, the offline Engine."""
+"""The runtime room, the engine process: EngineCore (admit, step, report), the model runner and its seams (batch, forward, decision, output), CUDA graphs, overlap, likelihood jobs, start-up, tensor-parallel ranks, the process loop, the offline Engine. May import every other room."""

@@ -6,7 +6,7 @@ acceptances, rejections, what each request committed since its last message, fin
 that concerns one request ends that request (an error finish, a 500 for that message), never this loop.
 Idle, it blocks on the socket instead of spinning. It exits on ShutdownReq, or by itself when its parent process
 is gone, so no orphan is ever left behind. SIGINT/SIGTERM sent to the whole process group are ignored: the HTTP
-process drains its requests first, then stops this one (engine/runtime/child_process.py).
+process drains its requests first, then stops this one (protocol/processes.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from redraft.engine.runtime.child_process import end_children, parent_alive, shield_from_group_signals
+from redraft.protocol.processes import end_children, parent_alive, shield_from_group_signals
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import (
     AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq,
@@ -33,9 +33,9 @@ LOG_INTERVAL_S = 5.0
 CONTROL_MESSAGES = (WeightUpdateReq, WeightGroupReq, GenerationControlReq)
 
 
-def run_engine_process(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
-    """Entry point of the child process (multiprocessing 'spawn'). This module imports no torch at the top,
-    so that the HTTP process can name this function without loading the model stack."""
+def serve_engine(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
+    """The engine process's main (entered through engine/text/launch.py `run_engine_process`): an EngineCore
+    behind these sockets until ShutdownReq or its parent's end."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_log_safety(("",))  # request ids and refusal reasons come from clients: one bounded line each
     parent = shield_from_group_signals()  # the HTTP process drains, then shuts us down; we die with it

@@ -17,7 +17,7 @@ import torch
 
 from redraft.engine.decoding.registry import implied_decoder
 from redraft.engine.model.config import ModelConfig
-from redraft.engine.model.model_path import resolve_model_path
+from redraft.engine.text.model_path import resolve_model_path
 from redraft.engine.model.loader import load_model, resolve_dtype, resolve_quantization
 from redraft.engine.model.model import LLaDA2Model
 from redraft.engine.runtime.model_runner import ModelRunner
@@ -91,7 +91,7 @@ def start_engine(args: ServerArgs) -> EngineParts:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={args.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
     if args.cpu_threads or args.tp_size > 1:  # else torch's own choice stands
-        from redraft.engine.model.tensor_parallel import set_threads  # (one rule for every rank)
+        from redraft.engine.runtime.tensor_parallel import set_threads  # (one rule for every rank)
 
         set_threads(args)
     path = resolve_model_path(args.model_path, args.revision)
@@ -107,10 +107,10 @@ def start_engine(args: ServerArgs) -> EngineParts:
               Defaults(decoder=implied) if implied else Defaults())
     t0 = time.perf_counter()
     # tensor parallelism: this process is rank 0 and loads only its shard (engine/model/sharding.py) while the other
-    # ranks, started first, load theirs (engine/model/tensor_parallel.py)
+    # ranks, started first, load theirs (engine/runtime/tensor_parallel.py)
     layout, workers = None, None
     if args.tp_size > 1:
-        from redraft.engine.model.tensor_parallel import Workers
+        from redraft.engine.runtime.tensor_parallel import Workers
 
         check_layout(config, args.tp_size, args.ep_size, resolve_quantization(config, args.quantization))
         layout, workers = RankLayout(0, args.tp_size, args.ep_size), Workers(args)
@@ -153,7 +153,7 @@ def _runner(args: ServerArgs, model: LLaDA2Model, tokenizer: Tokenizer, num_page
         graph_bs = max(0, min(args.cuda_graph_max_bs, args.max_running_requests))
     if workers is not None:
         workers.join(model, num_pages, args.max_running_requests)
-        from redraft.engine.model.tensor_parallel import backend_for
+        from redraft.engine.runtime.tensor_parallel import backend_for
 
         log.info("tensor parallel: %d ranks (expert parallel %d), %s", args.tp_size, args.ep_size,
                  backend_for(args.device))
@@ -163,7 +163,7 @@ def _runner(args: ServerArgs, model: LLaDA2Model, tokenizer: Tokenizer, num_page
         from redraft.engine.model.sharding import is_vocab_parallel
 
         runner.vocab_reduce = not is_vocab_parallel(model)  # the ranks' logits hook serves full rows only
-        from redraft.engine.model.tensor_parallel import log_rank_memory
+        from redraft.engine.runtime.tensor_parallel import log_rank_memory
 
         log_rank_memory(0, model, runner.k_cache)
     return runner

@@ -1,1 +1,1 @@
-"""Text the HTTP process shares with the engine, torch-free: tokenizer and chat templates, incremental detokenizer and output streams, the grammar front end and its sandbox, the likelihood planner."""
+"""The front room: what the HTTP process loads of the engine, torch-free: tokenizer and chat templates, incremental detokenizer and output streams, denoise events, the grammar front end and its sandbox, the likelihood planner, which checkpoint to serve (`model_path`) and the engine process's entry point (`launch`)."""

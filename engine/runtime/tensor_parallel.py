@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from redraft.engine.runtime.child_process import group_signals_blocked, shield_from_group_signals
+from redraft.protocol.processes import group_signals_blocked, shield_from_group_signals
 from redraft.engine.model.config import ModelConfig
 from redraft.engine.model.model import LLaDA2Model
 from redraft.engine.model.sharding import RankLayout, is_vocab_parallel
@@ -216,7 +216,7 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
     engine process (when it started us from its main thread)."""
     shield_from_group_signals(die_with_parent)
     from redraft.engine.model.loader import load_model
-    from redraft.engine.model.model_path import resolve_model_path
+    from redraft.engine.text.model_path import resolve_model_path
     from redraft.engine.runtime.model_runner import ModelRunner
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
