@@ -74,73 +74,81 @@ def _raw_error(err: RequestError) -> bytes:
     return head.encode("latin-1") + b"\r\n" + body
 
 
+class _Guarded:
+    """The connection cap and read deadlines, mixed into uvicorn's HTTP protocol class by `guarded_protocol`
+    (which sets `_limits` and the two log notes)."""
+
+    _limits: ConnectionLimits
+    _over_cap: _Note
+    _timed_out: _Note
+    _deadline: asyncio.TimerHandle | None = None
+    _seen_cycle: Any = None  # the request whose headers we have seen complete
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self._limits.max_connections:
+            self._over_cap(len(self.connections) - 1)
+            return self._refuse(RequestError(
+                f"the server has {self._limits.max_connections} open connections, its limit (--max-connections); "
+                "retry shortly", status=503, code="too_many_connections", headers={"Retry-After": "1"}))
+        self._arm("headers")
+
+    def data_received(self, data: bytes) -> None:
+        if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm("headers")  # the first byte of the next request on a kept-alive connection
+        super().data_received(data)
+        cycle = self.cycle
+        if cycle is not None and cycle is not self._seen_cycle:  # its headers are complete
+            self._seen_cycle = cycle
+            self._disarm()
+            if cycle.more_body:
+                self._arm("body")
+        elif cycle is not None and not cycle.more_body and self._phase == "body":
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    # ---- deadlines ------------------------------------------------------------------------------------
+    _phase = ""
+
+    def _arm(self, phase: str) -> None:
+        self._disarm()
+        seconds = self._limits.header_timeout_s if phase == "headers" else self._limits.body_timeout_s
+        self._phase = phase
+        self._deadline = self.loop.call_later(seconds, self._expired, phase)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._phase = None, ""
+
+    def _expired(self, phase: str) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if phase == "body" and (cycle is None or not cycle.more_body):
+            return  # completed meanwhile (read by the app)
+        flag = "header-timeout" if phase == "headers" else "body-timeout"
+        seconds = self._limits.header_timeout_s if phase == "headers" else self._limits.body_timeout_s
+        self._timed_out(phase, flag)
+        if phase == "body" and cycle.response_started:
+            self.transport.close()
+            return
+        self._refuse(RequestError(f"the request's {phase} did not arrive within {seconds:g}s (--{flag})",
+                                  status=408, code="request_timeout"))
+
+    def _refuse(self, err: RequestError) -> None:
+        self.transport.write(_raw_error(err))
+        self.transport.close()
+
+
 def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class `base` (h11 or httptools) with the connection cap and read deadlines."""
-    over_cap = _Note("refused a connection: %d open, the limit (--max-connections)")
-    timed_out = _Note("closed a connection whose %s did not arrive in time (--%s)")
-
-    class GuardedHTTPProtocol(base):  # type: ignore[valid-type, misc]
-        _deadline: asyncio.TimerHandle | None = None
-        _seen_cycle: Any = None  # the request whose headers we have seen complete
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
-                over_cap(len(self.connections) - 1)
-                return self._refuse(RequestError(
-                    f"the server has {limits.max_connections} open connections, its limit (--max-connections); "
-                    "retry shortly", status=503, code="too_many_connections", headers={"Retry-After": "1"}))
-            self._arm("headers")
-
-        def data_received(self, data: bytes) -> None:
-            if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
-                self._arm("headers")  # the first byte of the next request on a kept-alive connection
-            super().data_received(data)
-            cycle = self.cycle
-            if cycle is not None and cycle is not self._seen_cycle:  # its headers are complete
-                self._seen_cycle = cycle
-                self._disarm()
-                if cycle.more_body:
-                    self._arm("body")
-            elif cycle is not None and not cycle.more_body and self._phase == "body":
-                self._disarm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        # ---- deadlines ------------------------------------------------------------------------------------
-        _phase = ""
-
-        def _arm(self, phase: str) -> None:
-            self._disarm()
-            seconds = limits.header_timeout_s if phase == "headers" else limits.body_timeout_s
-            self._phase = phase
-            self._deadline = self.loop.call_later(seconds, self._expired, phase)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-            self._deadline, self._phase = None, ""
-
-        def _expired(self, phase: str) -> None:
-            self._deadline = None
-            if self.transport.is_closing():
-                return
-            cycle = self.cycle
-            if phase == "body" and (cycle is None or not cycle.more_body):
-                return  # completed meanwhile (read by the app)
-            flag = "header-timeout" if phase == "headers" else "body-timeout"
-            seconds = limits.header_timeout_s if phase == "headers" else limits.body_timeout_s
-            timed_out(phase, flag)
-            if phase == "body" and cycle.response_started:
-                self.transport.close()
-                return
-            self._refuse(RequestError(f"the request's {phase} did not arrive within {seconds:g}s (--{flag})",
-                                      status=408, code="request_timeout"))
-
-        def _refuse(self, err: RequestError) -> None:
-            self.transport.write(_raw_error(err))
-            self.transport.close()
-
-    return GuardedHTTPProtocol
+    return type("GuardedHTTPProtocol", (_Guarded, base), {
+        "_limits": limits,
+        "_over_cap": _Note("refused a connection: %d open, the limit (--max-connections)"),
+        "_timed_out": _Note("closed a connection whose %s did not arrive in time (--%s)"),
+    })

@@ -272,3 +272,86 @@ def test_the_length_check_counts_lines(tmp_path) -> None:
     assert long_functions(src, tmp_path) == ["m.py:1 f (61 lines)"]
     src.write_text("class C:\n    async def g(self):\n" + "        y = 2\n" * 60)
     assert long_functions(src, tmp_path) == ["m.py:2 g (61 lines)"]
+
+
+# ---- docs/architecture.md names only what exists ---------------------------------------------------------------
+ARCH_DOC = ROOT / "docs" / "architecture.md"
+# Backticked names on that page that are not redraft's own: Python, FastAPI/Starlette, HTTP fields, a checkpoint
+# file, an environment variable
+OUTSIDE_NAMES = {"None", "StreamingResponse", "TestClient", "APIRouter", "request.state.request_id",
+                 "input_token_logprobs", "sampling_params.custom_params", "generation_config.json",
+                 "REDRAFT_FAULT_INJECT"}
+
+
+def defined_names() -> tuple[set[str], dict[str, set[str]], dict[str, set[str]]]:
+    """Every name the project defines (modules, classes, functions, arguments, assigned names and attributes),
+    each class's members (methods, class-level and self. attributes) and each module's top-level names."""
+    names: set[str] = set()
+    members: dict[str, set[str]] = {}
+    top: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if ".git" in path.parts or path.relative_to(ROOT).parts[0] == "redraft" and path.parent.name != "redraft":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names.add(path.stem)
+        top.setdefault(path.stem, set()).update(_bound(tree.body))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                own = members.setdefault(node.name, set())
+                own.update(_bound(node.body))
+                own.update(n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                           and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ast.Store))
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+                names.add(node.id if isinstance(node, ast.Name) else node.attr)
+    return names, members, top
+
+
+def _bound(body: list[ast.stmt]) -> set[str]:
+    out: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                out.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return out
+
+
+def unknown_names(text: str) -> list[str]:
+    """The backticked paths that do not exist and identifiers that redraft does not define (a dotted one: each
+    part, a class's member or a module's top-level name where the part before is one). Spans that are neither
+    (code, values, flags, HTTP paths) are not checked."""
+    names, members, top = defined_names()
+    bad = []
+    for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+        if span in OUTSIDE_NAMES:
+            continue
+        if re.fullmatch(r"[\w.-]+(/[\w.-]*)+", span):
+            if not ((ROOT / span).exists() or (ROOT / "docs" / span).exists()):
+                bad.append(span)
+        elif re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", span):
+            parts = span.split(".")
+            ok = all(p in names for p in parts)
+            for a, b in zip(parts, parts[1:]):
+                scope = members.get(a, set()) | top.get(a, set())
+                ok = ok and (not scope or b in scope)
+            if not ok:
+                bad.append(span)
+    return bad
+
+
+def test_the_architecture_page_names_only_what_exists() -> None:
+    """Every module, class, function and file docs/architecture.md names in backticks exists, a class's member
+    in that class, a module's name in that module."""
+    assert unknown_names(ARCH_DOC.read_text()) == []
+
+
+def test_the_name_check_catches_stale_names() -> None:
+    stale = "`ModelRunner._sync_rows`, `_decide_from_hidden`, `EngineConfig`, `engine/runtime/child_process.py`, " \
+            "`ModelRunner.run`, `engine/runtime/core.py`, `SlotState.sync`, `decision.decide`"
+    assert unknown_names(stale) == ["ModelRunner._sync_rows", "_decide_from_hidden", "EngineConfig",
+                                    "engine/runtime/child_process.py"]

@@ -108,6 +108,71 @@ def expected(checkpoints) -> dict[str, list[list[int]]]:
     return out
 
 
+def _updates_from_disk(c: httpx.Client, checkpoints: dict[str, Path], expected: dict, tmp_path: Path) -> None:
+    """A checkpoint of another shape refused, then B from disk, then A with flush_cache false (a server on A)."""
+    # a checkpoint of another shape is refused before anything is touched
+    other = tmp_path / "other"
+    shutil.copytree(checkpoints["B"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    r = c.post("/update_weights_from_disk", json={"model_path": str(other), "weight_version": "bad"})
+    assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert "num_hidden_layers" in r.json()["message"]
+    assert _ids(c)[0] == expected["A"] and c.get("/get_weight_version").json() == {"weight_version": "default"}
+
+    # from disk: B, the cached prompt included
+    r = c.post("/update_weights_from_disk", json={"model_path": str(checkpoints["B"]), "weight_version": "v1"})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert r.json()["num_paused_requests"] == 0
+    ids, meta = _ids(c)
+    assert ids == expected["B"] and meta[0]["cached_tokens"] == 0
+    assert {m["weight_version"] for m in meta} == {"v1"}
+    assert c.get("/model_info").json()["weight_version"] == "v1"
+
+    # flush_cache false: the old blocks stay, but are never matched under the new weights
+    _ids(c, PROMPTS[:1])
+    r = c.post("/update_weights_from_disk", json={"model_path": str(checkpoints["A"]), "flush_cache": False,
+                                                   "weight_version": "v2"})
+    assert r.status_code == 200, r.text
+    ids, meta = _ids(c, PROMPTS[:1])
+    assert ids == expected["A"][:1] and meta[0]["cached_tokens"] == 0
+
+
+def _updates_by_broadcast(c: httpx.Client, checkpoints: dict[str, Path], expected: dict, tmp_path: Path) -> None:
+    """C broadcast tensor by tensor over gloo, a broadcast of the wrong shapes refused, then B as one flattened
+    bucket."""
+    # a trainer's broadcast of C, tensor by tensor, over gloo
+    names, dtypes, shapes = tensor_specs(checkpoints["C"])
+    trainer = Trainer(checkpoints["C"], names, tmp_path, rounds=2)
+    r = c.post("/init_weights_update_group", json=trainer.init_payload())
+    assert r.status_code == 200 and r.json() == {"success": True, "message": r.json()["message"]}, r.text
+    r = _distributed(c, trainer, names, dtypes, shapes, weight_version="v3")
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    ids, meta = _ids(c)
+    assert ids == expected["C"] and {m["weight_version"] for m in meta} == {"v3"}
+
+    # a broadcast the model cannot take is refused (its tensors drained), the weights unchanged
+    bad = list(shapes)
+    bad[0] = [bad[0][0], bad[0][1] + 1]
+    r = _distributed(c, trainer, names, dtypes, bad, weight_version="v4")
+    assert r.status_code == 400 and r.json()["success"] is False and "shapes" in r.json()["message"], r.text
+    trainer.finish()
+    assert _ids(c)[0] == expected["C"] and c.get("/get_weight_version").json()["weight_version"] == "v3"
+    r = c.post("/destroy_weights_update_group", json={"group_name": trainer.group})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    r = c.post("/update_weights_from_distributed", json={"names": names, "dtypes": dtypes, "shapes": shapes})
+    assert r.status_code == 400 and r.json()["success"] is False  # no group any more
+
+    # the same, as one flattened bucket (a subset: B's layers only; the rest stays C's)
+    trainer = Trainer(checkpoints["B"], names, tmp_path, group="bucketed", flattened=True)
+    assert c.post("/init_weights_update_group", json=trainer.init_payload()).status_code == 200
+    r = _distributed(c, trainer, names, dtypes, shapes, load_format="flattened_bucket", weight_version="v5")
+    assert r.status_code == 200, r.text
+    trainer.finish()
+    assert _ids(c)[0] == expected["B"]
+
+
 @pytest.mark.slow
 def test_disk_and_broadcast_updates_give_a_fresh_engines_tokens(checkpoints, expected, tmp_path) -> None:
     srv = RedraftServer(checkpoints["A"], tmp_path, []).start()
@@ -117,63 +182,8 @@ def test_disk_and_broadcast_updates_give_a_fresh_engines_tokens(checkpoints, exp
         assert ids == expected["A"] and {m["weight_version"] for m in meta} == {"default"}
         assert _ids(c, PROMPTS[:1])[1][0]["cached_tokens"] == 32  # the first prompt is cached now
 
-        # a checkpoint of another shape is refused before anything is touched
-        other = tmp_path / "other"
-        shutil.copytree(checkpoints["B"], other)
-        cfg = json.loads((other / "config.json").read_text())
-        cfg["num_hidden_layers"] += 1
-        (other / "config.json").write_text(json.dumps(cfg))
-        r = c.post("/update_weights_from_disk", json={"model_path": str(other), "weight_version": "bad"})
-        assert r.status_code == 400 and r.json()["success"] is False, r.text
-        assert "num_hidden_layers" in r.json()["message"]
-        assert _ids(c)[0] == expected["A"] and c.get("/get_weight_version").json() == {"weight_version": "default"}
-
-        # from disk: B, the cached prompt included
-        r = c.post("/update_weights_from_disk", json={"model_path": str(checkpoints["B"]), "weight_version": "v1"})
-        assert r.status_code == 200 and r.json()["success"] is True, r.text
-        assert r.json()["num_paused_requests"] == 0
-        ids, meta = _ids(c)
-        assert ids == expected["B"] and meta[0]["cached_tokens"] == 0
-        assert {m["weight_version"] for m in meta} == {"v1"}
-        assert c.get("/model_info").json()["weight_version"] == "v1"
-
-        # flush_cache false: the old blocks stay, but are never matched under the new weights
-        _ids(c, PROMPTS[:1])
-        r = c.post("/update_weights_from_disk", json={"model_path": str(checkpoints["A"]), "flush_cache": False,
-                                                       "weight_version": "v2"})
-        assert r.status_code == 200, r.text
-        ids, meta = _ids(c, PROMPTS[:1])
-        assert ids == expected["A"][:1] and meta[0]["cached_tokens"] == 0
-
-        # a trainer's broadcast of C, tensor by tensor, over gloo
-        names, dtypes, shapes = tensor_specs(checkpoints["C"])
-        trainer = Trainer(checkpoints["C"], names, tmp_path, rounds=2)
-        r = c.post("/init_weights_update_group", json=trainer.init_payload())
-        assert r.status_code == 200 and r.json() == {"success": True, "message": r.json()["message"]}, r.text
-        r = _distributed(c, trainer, names, dtypes, shapes, weight_version="v3")
-        assert r.status_code == 200 and r.json()["success"] is True, r.text
-        ids, meta = _ids(c)
-        assert ids == expected["C"] and {m["weight_version"] for m in meta} == {"v3"}
-
-        # a broadcast the model cannot take is refused (its tensors drained), the weights unchanged
-        bad = list(shapes)
-        bad[0] = [bad[0][0], bad[0][1] + 1]
-        r = _distributed(c, trainer, names, dtypes, bad, weight_version="v4")
-        assert r.status_code == 400 and r.json()["success"] is False and "shapes" in r.json()["message"], r.text
-        trainer.finish()
-        assert _ids(c)[0] == expected["C"] and c.get("/get_weight_version").json()["weight_version"] == "v3"
-        r = c.post("/destroy_weights_update_group", json={"group_name": trainer.group})
-        assert r.status_code == 200 and r.json()["success"] is True, r.text
-        r = c.post("/update_weights_from_distributed", json={"names": names, "dtypes": dtypes, "shapes": shapes})
-        assert r.status_code == 400 and r.json()["success"] is False  # no group any more
-
-        # the same, as one flattened bucket (a subset: B's layers only; the rest stays C's)
-        trainer = Trainer(checkpoints["B"], names, tmp_path, group="bucketed", flattened=True)
-        assert c.post("/init_weights_update_group", json=trainer.init_payload()).status_code == 200
-        r = _distributed(c, trainer, names, dtypes, shapes, load_format="flattened_bucket", weight_version="v5")
-        assert r.status_code == 200, r.text
-        trainer.finish()
-        assert _ids(c)[0] == expected["B"]
+        _updates_from_disk(c, checkpoints, expected, tmp_path)
+        _updates_by_broadcast(c, checkpoints, expected, tmp_path)
 
         # the weights came from a broadcast and were not kept (no --weight-spool-dir): the engine dies, and the
         # server refuses to serve rather than fall back to A
