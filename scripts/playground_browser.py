@@ -75,10 +75,10 @@ def run_playground(url: str, *, race: bool, prompt: str = PROMPT, mode: str = "S
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:30000")
-    ap.add_argument("--out", type=Path, default=Path("docs/playground.png"))
-    ap.add_argument("--prompt", default=PROMPT)
-    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--url", default="http://127.0.0.1:30000", help="the server (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=Path("docs/playground.png"), help="the screenshot (default: %(default)s)")
+    ap.add_argument("--prompt", default=PROMPT, help="what to race S and Q on (default: %(default)s)")
+    ap.add_argument("--api-key", default=None, help="the server's key, if it has one")
     args = ap.parse_args()
     got = run_playground(args.url, race=True, prompt=args.prompt, speed="400", api_key=args.api_key,
                          screenshot=args.out)
