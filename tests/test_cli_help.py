@@ -92,3 +92,9 @@ def test_generate_on_a_pipe_prints_the_answer_and_one_summary_line() -> None:
     assert res.stdout == "42\n"  # the bundled demo model's answer
     (summary,) = res.stderr.splitlines()  # no progress bar, no INFO lines
     assert summary.startswith("[2 tokens,") and summary.endswith("finish stop]")
+
+
+def test_train_demo_flags_have_help_too() -> None:
+    from redraft.training.train import build_parser as train_parser
+
+    assert [a.option_strings for a in train_parser()._actions if a.dest != "help" and not a.help] == []

@@ -650,9 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train (or resume training) the bundled demo LLaDA2-MoE model on CPU.")
     p.add_argument("--run-dir", default="runs/demo", help="run folder: checkpoints, log, tokenizer (default runs/demo)")
     p.add_argument("--steps", type=int, default=None, help="total optimizer steps (default 60000)")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step (default 48)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the weights and the problems (default 0)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between engine evaluations (0: never)")
     p.add_argument("--init-from", default=None, metavar="CKPT",
@@ -667,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a dict is merged into the current one)")
     p.add_argument("--fresh", action="store_true", help="start over: ignore (and overwrite) an existing checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="logging level (default: info)")
     return p
 
 
