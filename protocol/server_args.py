@@ -181,6 +181,10 @@ class ServerArgs:
                                "is closed", cli="serve", default=60.0, type=float, group="limits")
     keep_alive_timeout: int = _opt("seconds an idle keep-alive connection stays open", cli="serve", default=5,
                                    type=int, group="limits")
+    allowed_hosts: tuple[str, ...] = _opt(
+        "Host header names this server answers (comma-separated or repeated; `*` any, `*.example.com` a domain; IP "
+        "literals always); default: the loopback names when --host is a loopback address, else any name",
+        cli="serve", default=(), action="append", group="limits")
     log_level: str = _opt("logging level", default="info", choices=LOG_LEVELS, type=str.lower, group="observability")
     # ---- Python only ---------------------------------------------------------------------------------------
     progress: bool = _opt("progress bar while loading weights", cli="", default=True)
@@ -253,7 +257,7 @@ class ServerArgs:
         dummy weights' seed) is never read from a command line, even where a flag shares its name."""
         names = {f.name for f in dataclasses.fields(cls) if f.metadata.get("cli")}
         values = {k: v for k, v in vars(args).items() if k in names}
-        for key in ("api_key", "admin_api_key"):
+        for key in ("api_key", "admin_api_key", "allowed_hosts"):
             if key in values:
                 values[key] = tuple(values[key] or ())
         return cls(**{**values, **overrides})

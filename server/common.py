@@ -46,7 +46,8 @@ class ServerState:
     def __init__(self, client: EngineClient, tokenizer: Tokenizer, model_name: str, model_path: str = "",
                  api_keys: tuple[str, ...] = (), max_body_bytes: int = ServerArgs.max_body_bytes,
                  domains: tuple[str, ...] | str | None = None,
-                 max_choices: int = ServerArgs.max_choices_per_request, admin_keys: tuple[str, ...] = ()):
+                 max_choices: int = ServerArgs.max_choices_per_request, admin_keys: tuple[str, ...] = (),
+                 allowed_hosts: tuple[str, ...] = ("*",)):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -54,6 +55,7 @@ class ServerState:
         self.api_keys = api_keys
         self.admin_keys = admin_keys
         self.max_body_bytes = max_body_bytes
+        self.allowed_hosts = allowed_hosts  # Host header names answered (server/host_check.py)
         self.max_choices = max_choices  # engine requests one HTTP request may start
         self.draining = False  # shutting down: no new requests; running ones get --shutdown-timeout to finish
         self._max_token_bytes: int | None = None

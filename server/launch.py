@@ -31,6 +31,7 @@ from redraft.protocol.server_args import ServerArgs
 from redraft.server.common import ServerState
 from redraft.server.connections import ACCEPT_BATCH, ConnectionLimits, effective_max_connections, guarded_protocol
 from redraft.server.engine_client import EngineClient, ServerDraining
+from redraft.server.host_check import default_allowed_hosts
 from redraft.server.http_server import create_app
 from redraft.server.metrics import parse_domains
 
@@ -153,7 +154,8 @@ def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: s
         info["num_params"] / 1e6, info["dtype"], info["device"], info["max_total_tokens"], info["max_model_len"],
     )
     state = ServerState(client, tokenizer, name, args.model_path, args.api_key, args.max_body_bytes, domains=domains,
-                        max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key)
+                        max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key,
+                        allowed_hosts=default_allowed_hosts(args.host, args.allowed_hosts))
     app = create_app(state)
     log.info("settings: %s", effective_settings(args, info, name))
     log.info("serving %r on http://%s:%d", name, args.host, listener.getsockname()[1])

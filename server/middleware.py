@@ -1,4 +1,5 @@
-"""Pure-ASGI middleware: request ids, API keys, body-size limit.
+"""Pure-ASGI middleware: allowed hosts and cross-site requests (server/host_check.py), request ids, API keys,
+body-size limit.
 
 Written as raw ASGI (not BaseHTTPMiddleware) so that streaming responses and client-disconnect detection
 pass through untouched.
@@ -16,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redraft.protocol.errors import RequestError
 from redraft.server.common import REQUEST_ID, RETRY_AFTER, ServerState, key_scope
+from redraft.server.host_check import cross_site, host_allowed
 from redraft.server.playground import PATHS as PLAYGROUND_PATHS
 from redraft.server.rl_api import RL_ADMIN_PATHS
 
@@ -88,6 +90,12 @@ class RedraftMiddleware:
 
     def _refusal(self, scope, headers: dict[str, str]) -> RequestError | None:
         """Why the request is answered here, before the app reads it; None: it goes on."""
+        if not host_allowed(headers.get("host", ""), self.state.allowed_hosts):
+            return RequestError(f"the Host header {headers.get('host', '')[:64]!r} is not a name this server answers "
+                                "to (--allowed-hosts)", param="host", code="host_not_allowed")
+        if cross_site(scope["method"], headers):
+            return RequestError("a request from another site's page is refused (Origin / Sec-Fetch-Site): this "
+                                "server serves no other site", status=403, code="cross_site_request")
         if sum(k.lower() == b"authorization" for k, _ in scope.get("headers", [])) > 1:
             # one credential per request: a proxy that checks the first header and this server (the last) would
             # otherwise disagree on who is calling

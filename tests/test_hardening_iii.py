@@ -135,3 +135,41 @@ def test_the_playground_forbids_framing_sniffing_and_foreign_scripts(http) -> No
         assert r.headers["x-content-type-options"] == "nosniff"
         csp = r.headers["content-security-policy"]
         assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp and "default-src 'none'" in csp
+
+
+# ---- item 9: allowed hosts; no state change from another site's page --------------------------------------------
+def test_a_rebound_host_name_is_refused_and_loopback_names_are_served(srv) -> None:
+    with Bystanders(srv.url, n=1) as bystanders, httpx.Client(timeout=30, trust_env=False) as c:
+        for host in ("evil.example", "attacker.test:%d" % srv.port, "localhost.evil.example"):
+            for method, path in (("GET", "/v1/models"), ("POST", "/flush_cache"), ("GET", "/live")):
+                r = c.request(method, srv.url + path, headers={"Host": host})
+                err = assert_error_shape(r, 400)
+                assert err["code"] == "host_not_allowed" and "--allowed-hosts" in err["message"], err
+        for host in (f"localhost:{srv.port}", "127.0.0.1", f"[::1]:{srv.port}", "LOCALHOST."):
+            assert c.get(srv.url + "/v1/models", headers={"Host": host}).status_code == 200, host
+    bystanders.check(max_latency_s=BYSTANDER_BOUND_S)
+
+
+@pytest.mark.parametrize("headers", [{"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
+                                     {"Sec-Fetch-Site": "same-site"}, {"Origin": "null"},
+                                     {"Origin": "http://localhost:1", "Content-Type": "text/plain"}],
+                         ids=["origin", "fetch-cross", "fetch-same-site", "null-origin", "other-port"])
+def test_a_page_of_another_site_cannot_change_state(srv, http, headers) -> None:
+    for path, body in (("/flush_cache", None), ("/abort_request", '{"rid": "x"}'),
+                       ("/v1/chat/completions", '{"model": "demo_model", "messages": []}')):
+        r = http.post(path, content=body, headers=headers)
+        err = assert_error_shape(r, 403)
+        assert err["code"] == "cross_site_request", err
+    log = srv.log_tail(10**6)
+    assert "Cache flushed" not in log
+
+
+def test_same_origin_pages_and_plain_clients_still_change_state(srv, http) -> None:
+    origin = f"http://127.0.0.1:{srv.port}"
+    for headers in ({}, {"Origin": origin}, {"Sec-Fetch-Site": "same-origin", "Origin": origin},
+                    {"Sec-Fetch-Site": "none"}):
+        assert http.post("/flush_cache", headers=headers).status_code == 200, headers
+    # a simple (form or text/plain) JSON-looking body is never read as JSON
+    r = http.post("/v1/chat/completions", content=b'{"model": "demo_model", "messages": [{"role": "user", '
+                  b'"content": "hi"}], "max_tokens": 2}', headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400, r.text
