@@ -181,6 +181,9 @@ class ServerArgs:
                                "is closed", cli="serve", default=60.0, type=float, group="limits")
     keep_alive_timeout: int = _opt("seconds an idle keep-alive connection stays open", cli="serve", default=5,
                                    type=int, group="limits")
+    max_request_items: int = _opt("JSON objects one request body may hold (messages, tool calls, content parts, "
+                                  "input items ...); more: 400 too_many_items", cli="serve", default=16384,
+                                  type=int, group="limits")
     allowed_hosts: tuple[str, ...] = _opt(
         "Host header names this server answers (comma-separated or repeated; `*` any, `*.example.com` a domain; IP "
         "literals always); default: the loopback names when --host is a loopback address, else any name",
@@ -206,7 +209,7 @@ class ServerArgs:
             raise ValueError(f"context_length must be positive, got {self.context_length}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout"):
+        for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout", "max_request_items"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self.request_defaults()  # range checks

@@ -47,7 +47,7 @@ class ServerState:
                  api_keys: tuple[str, ...] = (), max_body_bytes: int = ServerArgs.max_body_bytes,
                  domains: tuple[str, ...] | str | None = None,
                  max_choices: int = ServerArgs.max_choices_per_request, admin_keys: tuple[str, ...] = (),
-                 allowed_hosts: tuple[str, ...] = ("*",)):
+                 allowed_hosts: tuple[str, ...] = ("*",), max_request_items: int = ServerArgs.max_request_items):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -56,6 +56,7 @@ class ServerState:
         self.admin_keys = admin_keys
         self.max_body_bytes = max_body_bytes
         self.allowed_hosts = allowed_hosts  # Host header names answered (server/host_check.py)
+        self.max_request_items = max_request_items  # JSON objects in one request body (server/routing.py)
         self.max_choices = max_choices  # engine requests one HTTP request may start
         self.draining = False  # shutting down: no new requests; running ones get --shutdown-timeout to finish
         self._max_token_bytes: int | None = None

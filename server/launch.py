@@ -155,7 +155,8 @@ def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: s
     )
     state = ServerState(client, tokenizer, name, args.model_path, args.api_key, args.max_body_bytes, domains=domains,
                         max_choices=args.max_choices_per_request, admin_keys=args.admin_api_key,
-                        allowed_hosts=default_allowed_hosts(args.host, args.allowed_hosts))
+                        allowed_hosts=default_allowed_hosts(args.host, args.allowed_hosts),
+                        max_request_items=args.max_request_items)
     app = create_app(state)
     log.info("settings: %s", effective_settings(args, info, name))
     log.info("serving %r on http://%s:%d", name, args.host, listener.getsockname()[1])

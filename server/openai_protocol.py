@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -87,6 +87,8 @@ def has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+MAX_TOOL_CALLS_PER_MESSAGE = 128  # as many as `tools` may name (a request's whole body is capped too: routing.py)
+MAX_PARTS_PER_MESSAGE = 1024  # content parts of one message
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (objects and arrays); real schemas and messages use < 20
 
 
@@ -195,9 +197,9 @@ class ToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the legacy result
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS_PER_MESSAGE)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS_PER_MESSAGE)
     function_call: FunctionCall | None = None  # the legacy call of an assistant turn, as clients replay it
     tool_call_id: str | None = None
     # response-side keys a client appends back with the assistant's message: accepted, not rendered

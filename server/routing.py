@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,29 +46,103 @@ class NestingTooDeep(StarletteHTTPException):
         self.param = ".".join(path[:8]) or None
 
 
+class TooManyItems(StarletteHTTPException):
+    """A body holding more JSON objects than --max-request-items: refused while it is parsed, before validation
+    (whose cost, on the event loop, grows with them)."""
+
+    code = "too_many_items"
+
+    def __init__(self, limit: int):
+        super().__init__(400, f"the request body holds more than {limit} objects (messages, tool calls, content "
+                              f"parts, input items ...); the server allows at most {limit} per request "
+                              "(--max-request-items)")
+        self.param = None
+
+
+OFF_LOOP_BYTES = 64 * 1024  # larger bodies are parsed on the parser thread: the event loop never waits on them
+# One thread parses every large body, one after another: eight 6 MiB bodies at once then compete with the event
+# loop for the GIL as one thread, not eight (the loop's wait for it grows with the threads that want it).
+_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redraft-json")
+
+
+def parse_checked(body: bytes, max_items: int) -> Any:
+    """The JSON value of `body`, refused (an HTTPException) when it holds more than `max_items` objects (counted
+    as they are parsed: the parse stops at the first one too many) or is nested too deep. Small bodies, whose
+    brackets already bound both, skip the counting and the scan."""
+    brackets = body.count(b"[") + body.count(b"{")
+    if brackets <= max_items:
+        value = json.loads(body)
+    else:
+        seen = 0
+
+        def count(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            nonlocal seen
+            seen += 1
+            if seen > max_items:
+                raise TooManyItems(max_items)
+            return dict(pairs)
+
+        value = json.loads(body, object_pairs_hook=count)  # a Python call per object: the GIL is passed on too
+    if brackets > MAX_JSON_DEPTH:
+        path = too_deep(value)
+        if path is not None:
+            raise NestingTooDeep(path)
+    return value
+
+
 class DepthCheckedRequest(Request):
-    """A request whose JSON body is refused, before any validation or recursion sees it, when it is nested too
-    deep: one bounded, iterative scan at the edge (skipped when the body has too few brackets to be that deep)."""
+    """A request whose JSON body is parsed (on the parser thread when large) and refused, before any validation
+    or recursion sees it, when it holds too many objects or is nested too deep. A large JSON body is validated
+    against the route's body model on the parser thread too (`preload`): FastAPI then receives the model
+    itself, which it takes as it is."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            value = json.loads(body)
-            if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
-                path = too_deep(value) if len(body) < 2**20 else await asyncio.to_thread(too_deep, value)
-                if path is not None:
-                    raise NestingTooDeep(path)
-            self._json = value
+            max_items = self.app.state.redraft.max_request_items
+            if len(body) > OFF_LOOP_BYTES:
+                loop = asyncio.get_running_loop()
+                self._json = await loop.run_in_executor(_PARSER, parse_checked, body, max_items)
+            else:
+                self._json = parse_checked(body, max_items)
         return self._json
+
+    async def preload(self, body_field: Any) -> None:
+        """A large JSON body for `body_field` (the route's FastAPI ModelField): parsed and validated on the
+        parser thread; its errors raised as FastAPI would (RequestValidationError, answered as a 400)."""
+        if body_field is None or not _is_json(self.headers.get("content-type")):
+            return  # FastAPI refuses a body that is not JSON by itself
+        body = await self.body()
+        if len(body) <= OFF_LOOP_BYTES:
+            return
+        max_items = self.app.state.redraft.max_request_items
+
+        def parse_and_validate() -> tuple[Any, list]:
+            return body_field.validate(parse_checked(body, max_items), loc=("body",))
+
+        value, errors = await asyncio.get_running_loop().run_in_executor(_PARSER, parse_and_validate)
+        if errors:
+            raise RequestValidationError(errors, body=None)
+        self._json = value
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's test: application/json, or any */*+json."""
+    if not content_type:
+        return False
+    subtype = content_type.split(";", 1)[0].strip().lower().partition("/")[2]
+    return subtype == "json" or subtype.endswith("+json")
 
 
 class DepthCheckedRoute(APIRoute):
     def get_route_handler(self):
         handler = super().get_route_handler()
+        body_field = self.body_field
 
         async def route(request: Request) -> Response:
             checked = DepthCheckedRequest(request.scope, request.receive)
             await _json_when_untyped(checked)
+            await checked.preload(body_field)
             return await handler(checked)
 
         return route
@@ -83,8 +159,13 @@ async def _json_when_untyped(request: DepthCheckedRequest) -> None:
     kind = next((v for k, v in headers if k == b"content-type"), None)
     if kind is None or kind.split(b";")[0].strip().lower() not in _READ_AS_JSON:
         return
+    body = await request.body()
     try:
-        json.loads(await request.body())
+        if len(body) > OFF_LOOP_BYTES:  # not on the event loop (too many objects: refused here, as a 400)
+            await asyncio.get_running_loop().run_in_executor(_PARSER, parse_checked, body,
+                                                             request.app.state.redraft.max_request_items)
+        else:
+            json.loads(body)
     except (ValueError, RecursionError):
         return
     request.scope["headers"] = [(k, v) for k, v in headers if k != b"content-type"] + [

@@ -173,3 +173,86 @@ def test_same_origin_pages_and_plain_clients_still_change_state(srv, http) -> No
     r = http.post("/v1/chat/completions", content=b'{"model": "demo_model", "messages": [{"role": "user", '
                   b'"content": "hi"}], "max_tokens": 2}', headers={"Content-Type": "text/plain"})
     assert r.status_code == 400, r.text
+
+
+# ---- item 2: large legal bodies: item caps named in the 400, parsing off the event loop ------------------------
+def _tool_call_chat(n: int) -> dict:
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(n)]
+    return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": None, "tool_calls": calls}]}
+
+
+def _function_call_items(n: int) -> dict:
+    return {"model": MODEL, "max_output_tokens": 4, "input": [
+        {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"} for i in range(n)]}
+
+
+class LiveProbe:
+    """GET /live every 50 ms on its own connection; `worst` is the longest answer."""
+
+    def __init__(self, url: str):
+        import threading
+
+        self.url, self.times, self.stop = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=60, trust_env=False) as c:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                assert c.get("/live").status_code == 200
+                self.times.append(time.monotonic() - t0)
+                time.sleep(0.05)
+
+    def __enter__(self) -> "LiveProbe":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+    @property
+    def worst(self) -> float:
+        return max(self.times)
+
+
+LIVE_BOUND_S = 1.5  # /live under eight 6 MiB bodies at once (was 7.8-9.7 s); alone it answers in milliseconds
+
+
+def test_huge_item_counts_are_refused_naming_the_limit(http) -> None:
+    for route, body in (("/v1/chat/completions", _tool_call_chat(80_000)), ("/v1/responses",
+                                                                            _function_call_items(80_000))):
+        r = http.post(route, json=body)
+        err = assert_error_shape(r, 400)
+        assert err["code"] == "too_many_items" and "--max-request-items" in err["message"], err
+    r = http.post("/v1/chat/completions", json=_tool_call_chat(129))  # per message: as many as tools may name
+    err = assert_error_shape(r, 400)
+    assert err["param"] == "messages.1.tool_calls" and "128" in err["message"], err
+    r = http.post("/v1/chat/completions", json=_tool_call_chat(128))  # past validation: only the context refuses
+    assert assert_error_shape(r, 400)["code"] == "context_length_exceeded", r.text
+    assert http.post("/v1/chat/completions", json=_tool_call_chat(16)).status_code == 200
+
+
+def test_large_bodies_leave_live_and_a_bystander_stream_responsive(srv) -> None:
+    import concurrent.futures as cf
+    import json as _json
+
+    huge = _json.dumps(_tool_call_chat(80_000)).encode()  # about 6 MiB
+    assert len(huge) > 6 * 2**20 - 2**19, len(huge)
+    legal = _json.dumps({"model": MODEL, "max_tokens": 4, "messages": [  # at the cap, and over the context
+        {"role": "user", "content": [{"type": "text", "text": "x" * 700}] * 4} for _ in range(2000)]}).encode()
+
+    def post(body: bytes) -> int:
+        with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as c:
+            return c.post("/v1/chat/completions", content=body,
+                          headers={"Content-Type": "application/json"}).status_code
+
+    with Bystanders(srv.url, n=1, max_tokens=32) as bystanders, LiveProbe(srv.url) as probe:
+        time.sleep(0.5)
+        with cf.ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(post, [huge] * 8 + [legal] * 4))
+        time.sleep(0.5)
+    assert statuses == [400] * 12, statuses
+    assert probe.worst < LIVE_BOUND_S, f"/live took {probe.worst:.2f}s"
+    bystanders.check(max_latency_s=BYSTANDER_BOUND_S, max_gap_s=5.0)
