@@ -181,6 +181,12 @@ class ServerArgs:
                                "is closed", cli="serve", default=60.0, type=float, group="limits")
     keep_alive_timeout: int = _opt("seconds an idle keep-alive connection stays open", cli="serve", default=5,
                                    type=int, group="limits")
+    max_stream_backlog: int = _opt("committed blocks (and, with stream_denoise, forward events) a streamed request "
+                                   "may have waiting for a slow reader; beyond, its stream ends with an error event "
+                                   "and the request is ended", cli="serve", default=256, type=int, group="limits")
+    send_buffer_bytes: int = _opt("each connection's kernel send buffer (SO_SNDBUF; Linux doubles it) bounds what a "
+                                  "slow reader leaves in the kernel; 0: the kernel's autotuning (up to 4 MiB)",
+                                  cli="serve", default=256 * 1024, type=int, group="limits")
     max_request_items: int = _opt("JSON objects one request body may hold (messages, tool calls, content parts, "
                                   "input items ...); more: 400 too_many_items", cli="serve", default=16384,
                                   type=int, group="limits")
@@ -209,9 +215,12 @@ class ServerArgs:
             raise ValueError(f"context_length must be positive, got {self.context_length}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout", "max_request_items"):
+        for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout", "max_request_items",
+                     "max_stream_backlog"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.send_buffer_bytes < 0:
+            raise ValueError(f"send_buffer_bytes must be 0 or positive, got {self.send_buffer_bytes}")
         self.request_defaults()  # range checks
 
     @property

@@ -250,7 +250,9 @@ async def run_all(streams: list[ChoiceStream]) -> list[OutputStream]:
 
 async def merge_updates(streams: list[ChoiceStream]) -> AsyncIterator[tuple[ChoiceStream, Update | Exception]]:
     """Interleave the updates of several streams as they come (an engine failure arrives as an Exception)."""
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a slow reader holds the pumps back, so its backlog stays in the engine client's queues, where
+    # --max-stream-backlog bounds it
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(s: ChoiceStream) -> None:
         try:

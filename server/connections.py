@@ -7,7 +7,9 @@ only runs once the headers are complete. `guarded_protocol` wraps uvicorn's HTTP
 - connections beyond `max_connections` are answered at once with a 503 `too_many_connections` and closed, so
   the process never runs out of file descriptors (where asyncio's accept() would fail and new clients hang);
 - a request's headers must be complete `header_timeout_s` after its first byte (after the connect, for the first
-  request), and its body `body_timeout_s` after its headers; otherwise a 408 `request_timeout` and the close.
+  request), and its body `body_timeout_s` after its headers; otherwise a 408 `request_timeout` and the close;
+- each connection's kernel send buffer is fixed (`send_buffer_bytes`): autotuned, a slow reader would leave up
+  to 4 MiB there, and the stream's backlog limit (engine_client.py) would only start counting after it.
 
 Every refusal names its flag. They are logged at most once per 10 s with a count (a flood must not flood the log).
 """
@@ -18,6 +20,7 @@ import asyncio
 import json
 import logging
 import resource
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +39,7 @@ class ConnectionLimits:
     max_connections: int
     header_timeout_s: float
     body_timeout_s: float
+    send_buffer_bytes: int = 0  # SO_SNDBUF of each connection (0: the kernel's autotuning, up to 4 MiB)
 
 
 def effective_max_connections(wanted: int) -> int:
@@ -85,6 +89,9 @@ class _Guarded:
     _seen_cycle: Any = None  # the request whose headers we have seen complete
 
     def connection_made(self, transport: Any) -> None:
+        sock = transport.get_extra_info("socket")
+        if self._limits.send_buffer_bytes and sock is not None:  # what a slow reader can leave in the kernel
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._limits.send_buffer_bytes)
         super().connection_made(transport)
         if len(self.connections) > self._limits.max_connections:
             self._over_cap(len(self.connections) - 1)

@@ -36,7 +36,7 @@ import zmq.asyncio
 
 from redraft.protocol.processes import group_signals_blocked
 from redraft.engine.text.launch import run_engine_process
-from redraft.protocol.errors import duplicate_request_id
+from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import (
     Accepted, AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq,
     GenerateReq, PingReq, Pong, Rejected, RequestOutput, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
@@ -44,6 +44,9 @@ from redraft.protocol.messages import (
 from redraft.protocol.server_args import ServerArgs
 
 log = logging.getLogger("redraft.client")
+
+
+OVERFLOW_GRACE_S = 10.0  # a stream past its backlog limit whose reader takes nothing this long is cut off
 
 
 class EngineDead(RuntimeError):
@@ -165,10 +168,30 @@ def remove_stale_ipc_dirs(roots: list[str] | None = None) -> list[str]:
     return removed
 
 
+class StreamBacklogExceeded(RequestError):
+    """A stream's reader fell too far behind: the undelivered messages were dropped and the request ended."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the client read this stream too slowly: more than {limit} blocks and forward events were "
+                         "waiting for it, the limit "
+                         "(--max-stream-backlog); the request was ended", status=429, code="stream_backlog_exceeded")
+
+
+def backlog_units(msg: Any) -> int:
+    """What a message counts toward --max-stream-backlog: one for its committed block (at most a block of ids and
+    their logprobs), one more per forward event it carries (stream_denoise): each unit is bounded in size."""
+    if isinstance(msg, RequestOutput):
+        return 1 + len(msg.denoise or ())
+    return 0
+
+
 @dataclass
 class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    backlog: int = 0  # undelivered units in the queue (backlog_units)
+    overflowed: bool = False  # its reader fell too far behind: nothing more is queued for it
+    consumer: asyncio.Task | None = None  # the task reading it (cancelled if the overflow is never read)
 
 
 class EngineStream:
@@ -186,8 +209,10 @@ class EngineStream:
     async def __anext__(self) -> Accepted | RequestOutput:
         if self._closed:
             raise StopAsyncIteration
+        self.pending.consumer = asyncio.current_task()
         msg = await self.pending.queue.get()
-        if isinstance(msg, Exception):  # the engine died
+        self.pending.backlog -= backlog_units(msg)
+        if isinstance(msg, Exception):  # the engine died, or the reader fell too far behind
             await self.aclose()
             raise msg
         if isinstance(msg, Rejected):
@@ -214,6 +239,7 @@ class EngineClient:
         self.args = args
         self.startup_timeout = startup_timeout
         self.max_restarts = args.engine_restarts  # restarts in place before the server gives up
+        self.max_backlog = args.max_stream_backlog  # undelivered messages one request may have
         self.failed = False  # the engine died and could not be restarted: the server should exit
         self.restarts = 0  # engine restarts so far
         self._ready: asyncio.Future | None = None  # set by the receive loop when a restarted engine is ready
@@ -378,8 +404,12 @@ class EngineClient:
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, (Accepted, RequestOutput, Rejected)):
             pending = self._pending.get(msg.rid)
-            if pending is not None:
-                pending.queue.put_nowait(msg)
+            if pending is not None and not pending.overflowed:
+                pending.backlog += backlog_units(msg)
+                if pending.backlog > self.max_backlog:
+                    self._overflow(msg.rid, pending)
+                else:
+                    pending.queue.put_nowait(msg)
             for callback in self.on_message:
                 callback(msg)
             if isinstance(msg, RequestOutput) and msg.finished:
@@ -397,6 +427,35 @@ class EngineClient:
             waiter = self._waiters.pop(msg.token, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
+
+    def _overflow(self, rid: str, pending: _Pending) -> None:
+        """A reader over `max_backlog` units behind: its messages are dropped (the memory returns), the request is
+        ended in the engine, and the reader's next read is the error. A reader that never reads again (its
+        connection stalled) has its task cancelled after OVERFLOW_GRACE_S, which closes the connection."""
+        pending.overflowed, pending.backlog = True, 0
+        if self._pending.get(rid) is pending:  # no longer in flight: a drain does not wait for its reader
+            del self._pending[rid]
+        while not pending.queue.empty():
+            pending.queue.get_nowait()
+        error = StreamBacklogExceeded(self.max_backlog)
+        pending.queue.put_nowait(error)
+        log.warning("request %s: its reader is over %d units behind (--max-stream-backlog): ended", rid,
+                    self.max_backlog)
+        self._background(self.abort(rid))
+
+        def cut_if_unread() -> None:
+            if pending.queue.qsize() and pending.consumer is not None and not pending.consumer.done():
+                log.warning("request %s: its reader took nothing for %.0fs: the connection is closed", rid,
+                            OVERFLOW_GRACE_S)
+                pending.consumer.cancel()
+
+        asyncio.get_running_loop().call_later(OVERFLOW_GRACE_S, cut_if_unread)
+
+    def _background(self, coro: Any) -> None:
+        """Run `coro` as a task whose reference is kept until it ends (and whose error is retrieved)."""
+        task = asyncio.ensure_future(coro)
+        self._aborts.add(task)
+        task.add_done_callback(lambda t: (self._aborts.discard(t), t.cancelled() or t.exception()))
 
     async def _watchdog(self) -> None:
         while True:
@@ -593,9 +652,7 @@ class EngineClient:
         """Send ScoreAbortReq from a task of its own (the caller is being cancelled and must not wait)."""
         if not self.alive:
             return
-        task = asyncio.ensure_future(self._send_msg(ScoreAbortReq(token)))
-        self._aborts.add(task)
-        task.add_done_callback(lambda t: (self._aborts.discard(t), t.cancelled() or t.exception()))
+        self._background(self._send_msg(ScoreAbortReq(token)))
 
     @property
     def num_in_flight(self) -> int:

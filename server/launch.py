@@ -161,7 +161,7 @@ def _serve(args: ServerArgs, client: EngineClient, tokenizer: Tokenizer, name: s
     log.info("settings: %s", effective_settings(args, info, name))
     log.info("serving %r on http://%s:%d", name, args.host, listener.getsockname()[1])
     limits = ConnectionLimits(effective_max_connections(args.max_connections), args.header_timeout,
-                              args.body_timeout)
+                              args.body_timeout, args.send_buffer_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
                             backlog=ACCEPT_BATCH,
