@@ -169,10 +169,12 @@ def test_same_origin_pages_and_plain_clients_still_change_state(srv, http) -> No
     for headers in ({}, {"Origin": origin}, {"Sec-Fetch-Site": "same-origin", "Origin": origin},
                     {"Sec-Fetch-Site": "none"}):
         assert http.post("/flush_cache", headers=headers).status_code == 200, headers
-    # a simple (form or text/plain) JSON-looking body is never read as JSON
-    r = http.post("/v1/chat/completions", content=b'{"model": "demo_model", "messages": [{"role": "user", '
-                  b'"content": "hi"}], "max_tokens": 2}', headers={"Content-Type": "text/plain"})
-    assert r.status_code == 400, r.text
+    # a text/plain JSON body (curl -d) is read as JSON for a plain client, and refused from another site's page
+    body = b'{"model": "demo_model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    assert http.post("/v1/chat/completions", content=body, headers={"Content-Type": "text/plain"}).status_code == 200
+    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "text/plain",
+                                                                  "Origin": "http://evil.example"})
+    assert assert_error_shape(r, 403)["code"] == "cross_site_request"
 
 
 # ---- item 2: large legal bodies: item caps named in the 400, parsing off the event loop ------------------------
