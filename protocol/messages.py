@@ -220,6 +220,15 @@ class Pong:
 
 
 @dataclass
+class Heartbeat:
+    """Sent by the engine loop when it has sent nothing else for HEARTBEAT_INTERVAL_S: a silent engine past
+    --engine-heartbeat-timeout is hung (or stopped), and the HTTP process replaces it."""
+
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+@dataclass
 class EngineReady:
     info: dict[str, Any]
 

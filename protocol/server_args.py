@@ -187,6 +187,10 @@ class ServerArgs:
     send_buffer_bytes: int = _opt("each connection's kernel send buffer (SO_SNDBUF; Linux doubles it) bounds what a "
                                   "slow reader leaves in the kernel; 0: the kernel's autotuning (up to 4 MiB)",
                                   cli="serve", default=256 * 1024, type=int, group="limits")
+    engine_heartbeat_timeout: float = _opt(
+        "seconds the engine may send nothing (it beats every second when idle; a forward longer than this counts "
+        "as hung) before it is killed and restarted: requests in flight get 503, /live is 503 until the new "
+        "engine is ready", cli="serve", default=60.0, type=float, group="limits")
     max_request_items: int = _opt("JSON objects one request body may hold (messages, tool calls, content parts, "
                                   "input items ...); more: 400 too_many_items", cli="serve", default=16384,
                                   type=int, group="limits")
@@ -216,7 +220,7 @@ class ServerArgs:
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout", "max_request_items",
-                     "max_stream_backlog"):
+                     "max_stream_backlog", "engine_heartbeat_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.send_buffer_bytes < 0:

@@ -24,7 +24,7 @@ from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Accepted, GenerateReq, RequestOutput
 from redraft.protocol.sampling_params import SamplingParams
 from redraft.protocol.server_args import ServerArgs
-from redraft.server.engine_client import EngineClient, EngineDead, EngineStream, ServerDraining, WeightsLost
+from redraft.server.engine_client import EngineClient, EngineDead, EngineHung, EngineStream, ServerDraining, WeightsLost
 from redraft.server.metrics import ServerMetrics
 from redraft.server.openai_protocol import UnsupportedValue
 from redraft.server.param_names import RouteNames
@@ -128,6 +128,8 @@ def engine_error(exc: Exception, names: RouteNames | None = None) -> RequestErro
         return names.engine_error(exc) if names is not None else exc
     if isinstance(exc, ServerDraining):
         return RequestError("the server is shutting down", status=503, code="shutting_down", headers=RETRY_AFTER)
+    if isinstance(exc, EngineHung):
+        return RequestError(str(exc), status=503, code="engine_unavailable", headers=RETRY_AFTER)
     if isinstance(exc, WeightsLost):  # (no Retry-After: it will not come back by itself)
         return RequestError(f"the engine is not serving: {exc}", status=503, code="weights_lost")
     return RequestError("the engine is not available", status=503, code="engine_unavailable", headers=RETRY_AFTER)

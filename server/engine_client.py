@@ -53,6 +53,10 @@ class EngineDead(RuntimeError):
     """The engine process is gone."""
 
 
+class EngineHung(EngineDead):
+    """The engine process is alive but sent nothing (not even a heartbeat) for --engine-heartbeat-timeout."""
+
+
 class ServerDraining(EngineDead):
     """The server is shutting down and its drain time is over: the request is ended (503)."""
 
@@ -240,6 +244,9 @@ class EngineClient:
         self.startup_timeout = startup_timeout
         self.max_restarts = args.engine_restarts  # restarts in place before the server gives up
         self.max_backlog = args.max_stream_backlog  # undelivered messages one request may have
+        self.heartbeat_timeout = args.engine_heartbeat_timeout
+        self.last_heard = time.monotonic()  # the engine's last message (a heartbeat at least every second)
+        self.hung = False  # it fell silent past the timeout: killed, and not yet replaced
         self.failed = False  # the engine died and could not be restarted: the server should exit
         self.restarts = 0  # engine restarts so far
         self._ready: asyncio.Future | None = None  # set by the receive loop when a restarted engine is ready
@@ -310,7 +317,7 @@ class EngineClient:
         pull.close(linger=0)
         self._push_sync.close(linger=0)
         self._sync_ctx.term()
-        self.alive = True
+        self.alive, self.last_heard = True, time.monotonic()
 
     def _spawn(self) -> None:
         proc = mp.get_context("spawn").Process(
@@ -334,6 +341,7 @@ class EngineClient:
         self._send.bind(self._to_engine_addr)
         self._dead = asyncio.Event()  # set by the watchdog: sends stop waiting for a peer that is gone
         self._no_restarts = asyncio.Event()  # set by begin_shutdown: a restart's pause ends, and so does it
+        self.last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watchdog())]
 
     async def close(self) -> None:
@@ -394,6 +402,7 @@ class EngineClient:
     async def _recv_loop(self) -> None:
         while True:
             batch = await self._recv.recv_pyobj()
+            self.last_heard = time.monotonic()
             # one list per engine iteration; EngineReady / EngineFailed come alone (from a restarted engine)
             for msg in batch if isinstance(batch, list) else [batch]:
                 try:
@@ -460,6 +469,7 @@ class EngineClient:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.1)
+            self._check_heartbeat()
             if self.proc is not None and not self.proc.is_alive():
                 if self.closing:
                     return
@@ -482,6 +492,20 @@ class EngineClient:
                     for callback in self.on_fatal:
                         callback()
                 return
+
+    def _check_heartbeat(self) -> None:
+        """An engine alive but silent past --engine-heartbeat-timeout (stopped, deadlocked, stuck in a forward) is
+        killed: the watchdog then fails its requests and restarts it as after a crash."""
+        silent = time.monotonic() - self.last_heard
+        if (not self.alive or self.closing or self.hung or self.proc is None or not self.proc.is_alive()
+                or silent <= self.heartbeat_timeout):
+            return
+        log.error("the engine sent nothing for %.0fs (--engine-heartbeat-timeout %g): killing it", silent,
+                  self.heartbeat_timeout)
+        self.hung = True
+        self._fail_in_flight(EngineHung(f"the engine stopped answering (nothing for {silent:.0f}s, "
+                                        "--engine-heartbeat-timeout); it is being restarted"))
+        self.proc.kill()
 
     def _fail_in_flight(self, reason: EngineDead | None = None) -> None:
         """The engine is gone: every request and waiter fails at once with `reason` (a death by default)."""
@@ -534,6 +558,7 @@ class EngineClient:
             if self._ready.done() and self._ready.exception() is None:
                 self.info = self._ready.result()
                 self.restarts += 1
+                self.hung, self.last_heard = False, time.monotonic()
                 self._dead.clear()
                 self.alive = True
                 log.warning("the engine is back (restart %d)", self.restarts)

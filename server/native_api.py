@@ -134,6 +134,9 @@ async def live(state: State):
     /health checks the engine). 503 once the engine could not be restarted (the server is exiting)."""
     if state.client.failed:
         return error_response(RequestError("the engine could not be restarted", status=503, code="engine_failed"))
+    if state.client.hung:  # silent past --engine-heartbeat-timeout: killed, its replacement not yet ready
+        return error_response(RequestError("the engine stopped answering and is being replaced", status=503,
+                                           code="engine_hung", headers=RETRY_AFTER))
     return Response(status_code=200)
 
 

@@ -20,7 +20,7 @@ import zmq
 from redraft.protocol.processes import end_children, parent_alive, shield_from_group_signals
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import (
-    AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq, GenerateReq,
+    HEARTBEAT_INTERVAL_S, AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, Heartbeat, FlushCacheResult, GenerateBatchReq, GenerateReq,
     GenerationControlReq, PingReq, Pong, Rejected, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq, WeightGroupReq,
     WeightUpdateReq,
 )
@@ -82,6 +82,7 @@ class EngineLoop:
         self._last_log = time.monotonic()
         self._forwards_at_log = 0
         self._tokens_since_log = 0
+        self._last_sent = time.monotonic()
 
     def run(self) -> None:
         while self.running:
@@ -101,9 +102,14 @@ class EngineLoop:
             self._maybe_log()
 
     def _flush(self) -> None:
+        """Send what this iteration produced; when it produced nothing for a while, a Heartbeat (from this loop,
+        not a thread: a loop stuck in a forward or stopped must fall silent)."""
+        if not self.outbox and time.monotonic() - self._last_sent >= HEARTBEAT_INTERVAL_S:
+            self.outbox.append(Heartbeat())
         if self.outbox:
             self.send.send_pyobj(self.outbox)
             self.outbox = []
+            self._last_sent = time.monotonic()
 
     def _drain_messages(self, block_ms: int) -> None:
         if block_ms and not self.poller.poll(block_ms):
