@@ -20,8 +20,8 @@ import zmq
 from redraft.protocol.processes import end_children, parent_alive, shield_from_group_signals
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import (
-    HEARTBEAT_INTERVAL_S, AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, Heartbeat, FlushCacheResult, GenerateBatchReq, GenerateReq,
-    GenerationControlReq, PingReq, Pong, Rejected, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq, WeightGroupReq,
+    HEARTBEAT_INTERVAL_S, AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult,
+    GenerateBatchReq, GenerateReq, GenerationControlReq, Heartbeat, PingReq, Pong, Rejected, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq, WeightGroupReq,
     WeightUpdateReq,
 )
 from redraft.protocol.log_safety import install_log_safety
