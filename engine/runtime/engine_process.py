@@ -21,8 +21,8 @@ from redraft.protocol.processes import end_children, parent_alive, shield_from_g
 from redraft.protocol.errors import RequestError
 from redraft.protocol.messages import (
     HEARTBEAT_INTERVAL_S, AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult,
-    GenerateBatchReq, GenerateReq, GenerationControlReq, Heartbeat, PingReq, Pong, Rejected, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq, WeightGroupReq,
-    WeightUpdateReq,
+    GenerateBatchReq, GenerateReq, GenerationControlReq, Heartbeat, PingReq, Pong, Rejected, ScoreAbortReq, ScoreReq,
+    ScoreResult, ShutdownReq, WeightGroupReq, WeightUpdateReq,
 )
 from redraft.protocol.log_safety import install_log_safety
 from redraft.protocol.server_args import ServerArgs
