@@ -3,7 +3,8 @@ Playwright's own browser download). The browser test (tests/test_playground.py) 
 (docs/playground.png) both come from here:
 
     redraft serve &                       # the bundled demo model, http://127.0.0.1:30000
-    python scripts/playground_browser.py --url http://127.0.0.1:30000 --out docs/playground.png
+    python scripts/playground_browser.py --url http://127.0.0.1:30000 --out docs/playground.png \
+        --prompt "Tell me about the cat."   # the page's default prompt: S done in 3 forwards, Q still drafting
 """
 
 from __future__ import annotations
