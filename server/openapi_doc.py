@@ -48,6 +48,7 @@ ERRORS = {
     "401": "Missing or incorrect API key (only with --api-key)",
     "403": "An admin route without the admin key",
     "404": "The model named is not served here",
+    "409": "The server holds another weight version than require_weight_version names (docs/rl.md)",
     "413": "The request body is larger than --max-body-bytes",
     "500": "The engine failed this request",
     "503": "The engine is not available, or the server is shutting down",
@@ -86,6 +87,8 @@ def _declare(path: str, method: str, op: dict[str, Any], schemas: dict[str, Any]
         codes.add("403")
     if "model" in body.get("properties", {}) or "{model}" in path:
         codes.add("404")
+    if "require_weight_version" in body.get("properties", {}):
+        codes.add("409")
     if path in GENERATING:
         codes.add("500")
     if path not in NEVER_UNAVAILABLE:

@@ -132,9 +132,12 @@ async def control(state: ServerState, msg: Any = None, **fields: Any) -> Control
 
 
 def _answer(result: ControlResult, **extra: Any) -> JSONResponse:
-    """SGLang's answer: {"success", "message", ...}, 200 or 400."""
-    return JSONResponse({"success": result.success, "message": result.message, **extra},
-                        status_code=200 if result.success else 400)
+    """SGLang's answer: {"success", "message", ...}, 200 or 400; a 400 also carries the refusal in OpenAI's shape
+    (`error`, as every refusal of this server: docs/rl.md)."""
+    body = {"success": result.success, "message": result.message, **extra}
+    if not result.success:
+        body["error"] = RequestError(result.message, code="weight_update_failed").body()["error"]
+    return JSONResponse(body, status_code=200 if result.success else 400)
 
 
 async def _update(state: ServerState, msg: WeightUpdateReq) -> ControlResult:
@@ -174,9 +177,8 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskBody, state: State
                           abort_all_requests=body.abort_all_requests, weight_version=body.weight_version,
                           flush_cache=body.flush_cache)
     result = await _update(state, msg)
-    return JSONResponse({"success": result.success, "message": _version_note(result, body.weight_version),
-                         "num_paused_requests": result.data.get("num_paused_requests", 0)},
-                        status_code=200 if result.success else 400)
+    result.message = _version_note(result, body.weight_version)
+    return _answer(result, num_paused_requests=result.data.get("num_paused_requests", 0))
 
 
 @router.post("/init_weights_update_group")
@@ -203,8 +205,8 @@ async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody
                           abort_all_requests=body.abort_all_requests, weight_version=body.weight_version,
                           flush_cache=body.flush_cache)
     result = await _update(state, msg)
-    return JSONResponse({"success": result.success, "message": _version_note(result, body.weight_version)},
-                        status_code=200 if result.success else 400)
+    result.message = _version_note(result, body.weight_version)
+    return _answer(result)
 
 
 @router.post("/destroy_weights_update_group")
