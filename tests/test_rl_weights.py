@@ -77,6 +77,29 @@ def test_a_request_admitted_under_old_weights_caches_nothing_after_an_update() -
     assert sched.cache.match_prefix(prompt).num_tokens == 0
 
 
+def test_fp8_serving_requantises_received_tensors_as_a_load_would(tiny_checkpoint) -> None:
+    """Full-precision tensors from a trainer, copied into an FP8 model, are quantised exactly as loading that
+    checkpoint quantises them (same e4m3 weights, same block scales)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from redraft.engine.model import weight_sync
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
+
+    a, c = tiny_checkpoint(seed=0), tiny_checkpoint(seed=2)
+    cfg = ModelConfig.from_pretrained(a)
+    served = load_model(a, cfg, dtype="float32", progress=False, quantization="fp8")
+    fresh = load_model(c, cfg, dtype="float32", progress=False, quantization="fp8")
+    received = list(load_file(str(c / "model.safetensors")).items())
+    assert weight_sync.apply(served, received, cfg, None) == len(received)
+    got = dict(served.named_parameters()) | dict(served.named_buffers())
+    want = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
+    assert any(t.dtype == torch.float8_e4m3fn for t in got.values())
+    for name, t in want.items():
+        assert torch.equal(got[name].float(), t.float()), name
+
+
 # ---- a live server ------------------------------------------------------------------------------------------
 def _post(c: httpx.Client, path: str, body: dict | None = None) -> httpx.Response:
     return c.post(path, json=body) if body is not None else c.post(path)
