@@ -43,7 +43,7 @@ MBE_MODES = ["S-W2", "S-W3", "Q-W2", "Q-W3"]
 # what --set may change in every setting, with its type
 SWEEPABLE = {"threshold": float, "edit_threshold": float, "max_post_steps": int, "mbe_window": int,
              "stutter_penalty": float}
-MAX_NEW_TOKENS = {"v1": 64, "v2": 128, "v3": 128}  # v2: count and repeat answers run to ~100 tokens
+MAX_NEW_TOKENS = {"v1": 64, "v2": 128, "v3": 128, "v4": 128}  # v2: count and repeat answers run to ~100 tokens
 
 
 def model_suite(model_dir: str | Path) -> str:
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
             p.error(f"no bundled demo model in this install ({BUNDLED_MODEL_DIR}); pass --model DIR")
         model = str(BUNDLED_MODEL_DIR)
     suite = args.suite or model_suite(model)
-    modes = args.modes or (ALL_MODES + (MBE_MODES if suite in ("v2", "v3") else []))
+    modes = args.modes or (ALL_MODES + (MBE_MODES if suite in ("v2", "v3", "v4") else []))
     if args.families and set(args.families) - set(SUITES[suite]):
         p.error(f"--families must be among suite {suite}'s: {' '.join(SUITES[suite])}")
     overrides = {}

@@ -44,17 +44,23 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from redraft.training.open_tasks import (CATEGORIES, COUNT_WORDS, OPEN_FAMILIES, SENTENCE_ANIMALS, all_lists,
+                                         all_sentences, check_list, check_sentence, draw_list, draw_sentence,
+                                         list_prompt, sentence_prompt)
+
 FAMILIES: tuple[str, ...] = ("math", "reverse", "sort", "code", "chat")
 FAMILIES_V2: tuple[str, ...] = (*FAMILIES, "count", "repeat")
 FAMILIES_V3: tuple[str, ...] = (*FAMILIES_V2, "json", "tool")
-SUITES: dict[str, tuple[str, ...]] = {"v1": FAMILIES, "v2": FAMILIES_V2, "v3": FAMILIES_V3}
+FAMILIES_V4: tuple[str, ...] = (*FAMILIES_V3, *OPEN_FAMILIES)
+SUITES: dict[str, tuple[str, ...]] = {"v1": FAMILIES, "v2": FAMILIES_V2, "v3": FAMILIES_V3, "v4": FAMILIES_V4}
 MULTI_BLOCK_FAMILIES: tuple[str, ...] = ("count", "repeat")
 SPLITS: tuple[str, ...] = ("train", "eval")
 
 # Fraction of each family's problems that belong to eval. Chat has only as many problems as animals, so it
 # keeps a larger share back (a held-out animal is a name the model must copy without having seen it asked).
 EVAL_FRACTION: dict[str, float] = {"math": 0.1, "reverse": 0.1, "sort": 0.1, "code": 0.1, "chat": 0.2,
-                                   "count": 0.1, "repeat": 0.1, "json": 0.1, "tool": 0.1}
+                                   "count": 0.1, "repeat": 0.1, "json": 0.1, "tool": 0.1,
+                                   "list": 0.25, "sentence": 0.2}
 _SPLIT_SALT = "redraft-demo-tasks-v1"
 
 # 120 words for function names (lowercase, no underscore: names join one or two of them with "_").
@@ -153,6 +159,10 @@ def is_correct(example: Example, output_text: str) -> bool:
     `<tool_call>{...}</tool_call>` or, as the engine returns it by default (special tokens skipped), the JSON
     object alone, parsing to exactly {"name": the tool, "arguments": {"a": A, "b": B}} with the problem's
     operands (for add, either order)."""
+    if example.family == "list":
+        return check_list(example.user, output_text).valid
+    if example.family == "sentence":
+        return check_sentence(example.user, output_text).valid
     if example.family == "json":
         return _json_value(output_text) == {"answer": _int_answer(example)}
     if example.family == "tool":
@@ -259,6 +269,17 @@ def make_chat(animal: str, template: int) -> Example:
     return Example("chat", f"Tell me about the {animal}.", answers[template], answers, f"chat|{animal}")
 
 
+def make_list(category: str, n: int, excluded: str, items: Sequence[str]) -> Example:
+    """v4: `items` (one drawn answer) for the list problem; every valid answer in `answers`."""
+    user = list_prompt(category, n, excluded)
+    return Example("list", user, ", ".join(items), all_lists(category, n, excluded), f"list|{category}|{n}|{excluded}")
+
+
+def make_sentence(animal: str, answer: str) -> Example:
+    """v4: one drawn sentence about `animal`; every sentence of the grammar in `answers`."""
+    return Example("sentence", sentence_prompt(animal), answer, all_sentences(animal), f"sentence|{animal}")
+
+
 # ----- sampling --------------------------------------------------------------------------------------
 def _letters(rng: random.Random, lo: int, hi: int) -> str:
     return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(lo, hi)))
@@ -266,11 +287,18 @@ def _letters(rng: random.Random, lo: int, hi: int) -> str:
 
 def _draw(family: str, rng: random.Random, level: float, suite: str = "v1") -> Example:
     """One problem of `family` at curriculum `level` (1.0 = the full distribution), either split."""
+    if family == "list":
+        category = rng.choice(sorted(CATEGORIES))
+        n, excluded = rng.choice(sorted(COUNT_WORDS)), rng.choice(CATEGORIES[category])
+        return make_list(category, n, excluded, draw_list(rng, category, n, excluded))
+    if family == "sentence":
+        animal = rng.choice(SENTENCE_ANIMALS)
+        return make_sentence(animal, draw_sentence(rng, animal))
     if family in ("json", "tool"):
         m = _draw("math", rng, level)
         a, op, b = parse_math(m.user)
         return (make_json if family == "json" else make_tool)(a, op, b)
-    if suite in ("v2", "v3"):
+    if suite in ("v2", "v3", "v4"):
         if family == "code":
             parts = 1 + (rng.random() < 0.5 * level)
             longest = 3 + round(5 * level)
@@ -359,6 +387,11 @@ class TaskGenerator:
                 name = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 8)))
                 if name not in ANIMALS and split_of(f"chat|{name}", "chat") == self.split:
                     return make_chat(name, self.rng.randrange(len(CHAT_TEMPLATES)))
+        if family == "sentence" and self.rng.random() < self.invented_animals:
+            while True:  # copying practice, as for chat: a sentence about an invented name
+                name = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 7)))
+                if name not in SENTENCE_ANIMALS and split_of(f"sentence|{name}", "sentence") == self.split:
+                    return make_sentence(name, draw_sentence(self.rng, name))
         if family == "count" and self.rng.random() < self.long_counts:
             while True:  # a count shorter or longer than the suite's (B - A in 3..64): where to stop is read, not learnt
                 a = self.rng.randint(0, 20) if self.rng.random() < self.low_count_starts else self.rng.randint(0, 899)

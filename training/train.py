@@ -48,7 +48,7 @@ from redraft.kernels.moe import route_torch
 from redraft.training.data import (DEMO_VOCAB_SIZE, Bucket, WindowExample, add_noise, build_demo_tokenizer,
                                    dual_copy_mask, dual_copy_positions, encode_example, make_buckets, window_examples,
                                    window_mask)
-from redraft.training.tasks import FAMILIES_V3, TaskGenerator
+from redraft.training.tasks import FAMILIES_V4, TaskGenerator
 
 log = logging.getLogger("redraft.train")
 
@@ -500,11 +500,11 @@ class Trainer:
         with torch.no_grad():  # argmax accuracy on the scored answer tokens, overall and per family
             right = logits.argmax(-1) == target
             content = torch.cat([b.content[sc] for b, _, sc in noisy] + [ex.content[ex.scored] for ex in windows])
-            fam = torch.cat([torch.tensor([FAMILIES_V3.index(f) for f in b.family])[:, None].expand_as(sc)[sc]
+            fam = torch.cat([torch.tensor([FAMILIES_V4.index(f) for f in b.family])[:, None].expand_as(sc)[sc]
                              for b, _, sc in noisy]
-                            + [torch.full((int(ex.scored.sum()),), FAMILIES_V3.index(ex.family)) for ex in windows])
+                            + [torch.full((int(ex.scored.sum()),), FAMILIES_V4.index(ex.family)) for ex in windows])
             stats["acc"] = float(right[content].float().mean())
-            for i, f in enumerate(FAMILIES_V3):
+            for i, f in enumerate(FAMILIES_V4):
                 sel = content & (fam == i)
                 if sel.any():
                     stats[f"acc_{f}"] = float(right[sel].float().mean())
@@ -601,7 +601,7 @@ class Trainer:
                        "time": round(time.time(), 1)}
                 self.log(rec)
                 bar.set_postfix(loss=f"{avg['loss']:.3f}", acc=f"{avg['acc']:.3f}", lr=f"{avg['lr']:.2e}")
-                fams = " ".join(f"{f} {avg[f'acc_{f}']:.2f}" for f in FAMILIES_V3 if f"acc_{f}" in avg)
+                fams = " ".join(f"{f} {avg[f'acc_{f}']:.2f}" for f in FAMILIES_V4 if f"acc_{f}" in avg)
                 log.info("step %d loss %.4f acc %.3f (%s) gnorm %.2f lr %.2e level %.2f moe_max_load %.2f %.2f steps/s",
                          self.step, avg["loss"], avg["acc"], fams, avg["gnorm"], avg["lr"], avg["level"],
                          avg["moe_max_load"], rate)
