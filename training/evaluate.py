@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from redraft.training.open_tasks import OPEN_FAMILIES, check
 from redraft.training.tasks import SUITES, Example, eval_set, is_correct, render_prompt
 
 MODE_PARAMS: dict[str, dict[str, Any]] = {
@@ -115,12 +116,17 @@ def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]])
     count = {f: 0 for f in families}
     tokens = {f: 0 for f in families}
     forwards = {f: 0 for f in families}
+    fam_edits = {f: {"total": 0, "repairs": 0, "breaks": 0} for f in families}
+    invalid: dict[str, dict[str, int]] = {f: {} for f in families if f in OPEN_FAMILIES}
     edits = mbe_edits = repairs = breaks = neutral = 0
     pairs = repeats = 0
     for ex, o, ref in zip(exs, outs, refs):
         m = o["meta_info"]
         count[ex.family] += 1
         right[ex.family] += is_correct(ex, o["text"])
+        if ex.family in OPEN_FAMILIES and not (verdict := check(ex.user, o["text"])).valid:
+            kind = failure_kind(verdict.reason)
+            invalid[ex.family][kind] = invalid[ex.family].get(kind, 0) + 1
         tokens[ex.family] += m["completion_tokens"]
         forwards[ex.family] += m["steps"]
         edits += m.get("edits", 0)
@@ -130,17 +136,42 @@ def summarise(exs: list[Example], outs: list[dict], refs: list[list[list[int]]])
         repeats += sum(a == b for a, b in zip(ids, ids[1:]))
         r, b, n = classify_edits(m.get("edit_trace", []), o["output_ids"], ref)
         repairs, breaks, neutral = repairs + r, breaks + b, neutral + n
+        fe = fam_edits[ex.family]
+        fe["total"], fe["repairs"], fe["breaks"] = fe["total"] + m.get("edits", 0), fe["repairs"] + r, fe["breaks"] + b
     fams = [f for f in families if count[f]]
     out: dict[str, Any] = {f: right[f] / count[f] for f in fams}
     out["all"] = sum(right.values()) / len(exs)
     out["tpf"] = sum(tokens.values()) / max(1, sum(forwards.values()))
     out["tpf_by_family"] = {f: tokens[f] / max(1, forwards[f]) for f in fams}
+    out["requests_by_family"] = {f: count[f] for f in fams}
+    out["forwards_per_req_by_family"] = {f: forwards[f] / count[f] for f in fams}
+    out["edits_by_family"] = {f: fam_edits[f] for f in fams}
     out["forwards_per_req"] = sum(forwards.values()) / len(exs)
     out["edits_per_req"] = edits / len(exs)
     out["mbe_edits_per_req"] = mbe_edits / len(exs)
     out["adjacent_repeat_rate"] = repeats / max(1, pairs)  # stutter: a token equal to the one before it
     out["edits"] = {"total": edits, "repairs": repairs, "breaks": breaks, "neutral": neutral}
+    open_fams = [f for f in fams if f in OPEN_FAMILIES]
+    if open_fams:  # the open-ended families together: graded by their checker
+        n_open = sum(count[f] for f in open_fams)
+        out["open"] = {"valid": sum(right[f] for f in open_fams) / n_open,
+                       "tpf": sum(tokens[f] for f in open_fams) / max(1, sum(forwards[f] for f in open_fams)),
+                       "forwards_per_req": sum(forwards[f] for f in open_fams) / n_open,
+                       "invalid": {f: invalid[f] for f in open_fams}}
+    closed = [f for f in fams if f not in OPEN_FAMILIES]
+    if open_fams and closed:
+        out["closed_all"] = sum(right[f] for f in closed) / sum(count[f] for f in closed)
     return out
+
+
+def failure_kind(reason: str) -> str:
+    """A checker's reason, in a word: what kind of conflict made an open-ended answer invalid."""
+    for key, kind in (("duplicate", "duplicate"), ("before", "a/an"), ("agree", "agreement"), ("two before", "a/an"),
+                      ("excluded", "excluded"), ("items, not", "count"), ("not the", "wrong noun"),
+                      ("not one of", "unknown item")):
+        if key in reason:
+            return kind
+    return "form"
 
 
 # ----- presentation ------------------------------------------------------------------------------------
@@ -165,6 +196,41 @@ def format_table(result: dict[str, Any], per_family: int) -> str:
         ratio = " ".join(f"{f} {result['S']['tpf_by_family'][f] / result['Q']['tpf_by_family'][f]:.2f}x"
                          for f in families)
         lines.append(f"\ntokens per forward, S / Q: all {result['S']['tpf'] / result['Q']['tpf']:.2f}x; {ratio}")
+    if modes and "open" in result[modes[0]]:
+        lines += ["", format_open_table(result, modes)]
+    return "\n".join(lines)
+
+
+def format_open_table(result: dict[str, Any], modes: list[str]) -> str:
+    """The open-ended families, graded by their checker: per setting and family, how many answers are valid (and
+    what broke the others), tokens per forward, forwards per request, and what the edits did; then the S/Q
+    comparison the families exist for."""
+    fams = [f for f in result[modes[0]]["open"]["invalid"]]
+    head = ["setting", "family", "valid", "invalid because", "tok/fwd", "fwd/req", "edits/req", "repairs", "breaks"]
+    lines = ["open-ended families (valid = the checker accepts it: the right items, distinct, agreeing)",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in modes:
+        r = result[m]
+        for f in fams:
+            bad = r["open"]["invalid"][f]
+            why = ", ".join(f"{k} {v}" for k, v in sorted(bad.items(), key=lambda kv: -kv[1])) or "-"
+            e = r["edits_by_family"][f]
+            lines.append(f"| {m} | {f} | {100 * r[f]:.1f}% | {why} | {r['tpf_by_family'][f]:.2f} | "
+                         f"{r['forwards_per_req_by_family'][f]:.2f} | {e['total'] / r['requests_by_family'][f]:.2f} | "
+                         f"{e['repairs']} | {e['breaks']} |")
+        o = r["open"]
+        lines.append(f"| {m} | **both** | **{100 * o['valid']:.1f}%** | | **{o['tpf']:.2f}** | {o['forwards_per_req']:.2f} "
+                     "| | | |")
+    if "S" in result and "Q" in result:
+        s, q = result["S"]["open"], result["Q"]["open"]
+        parts = [f"S / Q tokens per forward {s['tpf'] / q['tpf']:.2f}x", f"S valid {100 * s['valid']:.1f}% vs Q "
+                 f"{100 * q['valid']:.1f}% ({100 * (s['valid'] - q['valid']):+.1f} points)"]
+        if "S-noedit" in result:
+            parts.append(f"S with editing off {100 * result['S-noedit']['open']['valid']:.1f}% "
+                         f"({100 * (result['S-noedit']['open']['valid'] - s['valid']):+.1f} points)")
+        lines.append("\nopen-ended families: " + "; ".join(parts))
+    if "Q" in result and "closed_all" in result["Q"]:
+        lines.append(f"the other families, Q: {100 * result['Q']['closed_all']:.1f}%")
     return "\n".join(lines)
 
 

@@ -187,3 +187,18 @@ def check_sentence(user: str, text: str) -> Verdict:
     if verb not in (verbs if plural else [v + "s" for v in verbs]):
         return Verdict(False, f"the verb {verb!r} does not agree with {noun!r}")
     return Verdict(True, "")
+
+
+def draw_answer(user: str, rng: random.Random) -> str:
+    """A fresh answer to an open-ended prompt, from the training distribution (for estimating it)."""
+    if m := _LIST_RE.fullmatch(user):
+        n = {v: k for k, v in COUNT_WORDS.items()}[m.group(1)]
+        return ", ".join(draw_list(rng, m.group(2), n, m.group(3)))
+    if m := _SENTENCE_RE.fullmatch(user):
+        return draw_sentence(rng, m.group(1))
+    raise ValueError(f"not an open-ended prompt: {user!r}")
+
+
+def check(user: str, text: str) -> Verdict:
+    """The checker of whichever open-ended family `user` belongs to."""
+    return check_list(user, text) if _LIST_RE.fullmatch(user) else check_sentence(user, text)
