@@ -235,7 +235,8 @@ def format_open_table(result: dict[str, Any], modes: list[str]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> bool:
-    """Accuracy against tokens per forward, one point per setting. False (and a message) without matplotlib."""
+    """Accuracy against tokens per forward, one point per setting; with open-ended families (suite v4) a second
+    panel: their validity against their tokens per forward. False (and a message) without matplotlib."""
     try:
         import matplotlib
 
@@ -244,20 +245,37 @@ def plot(result: dict[str, Any], path: Path, title: str) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return False
-    fig, ax = plt.subplots(figsize=(6, 4.2), dpi=120)
-    for m in (m for m in result if m in MODE_PARAMS):
-        r = result[m]
-        ax.scatter(r["tpf"], 100 * r["all"], s=60, marker="o" if "noedit" not in m else "x")
-        ax.annotate(m, (r["tpf"], 100 * r["all"]), textcoords="offset points", xytext=(6, 4))
-    ax.set_xlabel("tokens per forward (higher = faster)")
-    ax.set_ylabel("exact match, all families (%)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
+    modes = [m for m in result if m in MODE_PARAMS]
+    has_open = bool(modes) and "open" in result[modes[0]]
+    panels = [("all", "exact match, all families (%)")]
+    if has_open:
+        panels = [("closed_all", "exact match, the other families (%)"), ("open", "valid, open-ended families (%)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), dpi=120, squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for m in modes:
+            r = result[m]
+            x, y = (r["open"]["tpf"], r["open"]["valid"]) if key == "open" else (r["tpf"], r[key])
+            if key == "closed_all":
+                x = _closed_tpf(r)
+            ax.scatter(x, 100 * y, s=60, marker="o" if "noedit" not in m else "x")
+            ax.annotate(m, (x, 100 * y), textcoords="offset points", xytext=(6, 4))
+        ax.set_xlabel("tokens per forward (higher = faster)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_title(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def _closed_tpf(r: dict[str, Any]) -> float:
+    """Tokens per forward over the families that are not open-ended, from the per-family figures."""
+    fams = [f for f in r["tpf_by_family"] if f not in OPEN_FAMILIES]
+    reqs, fwd, tpf = r["requests_by_family"], r["forwards_per_req_by_family"], r["tpf_by_family"]
+    tokens = sum(tpf[f] * fwd[f] * reqs[f] for f in fams)
+    return tokens / max(1e-9, sum(fwd[f] * reqs[f] for f in fams))
 
 
 def main(argv: list[str] | None = None, default_format: str = "json", prog: str | None = None) -> int:
