@@ -105,3 +105,24 @@ def test_checker_based_summary_counts_what_broke() -> None:
     assert res["open"]["valid"] == pytest.approx(1 / 3)
     assert res["open"]["invalid"] == {"list": {"duplicate": 1}, "sentence": {"a/an": 1}}
     assert res["forwards_per_req_by_family"] == {"list": 2.0, "sentence": 2.0}
+
+
+def test_ideal_decode_s_commits_middling_branch_points_in_one_forward_where_q_waits() -> None:
+    """Two independent branch points (token 10 or 11, then 20 or 21, the first of each at 0.6) and an EOS (1):
+    S (0.5) fills all three in its first forward and confirms in a second; Q (0.7) fills EOS, then one branch point
+    per forward by the top-1 fallback, then confirms: four forwards. Neither ever edits (the answers agree)."""
+    from redraft.training.ideal_decode import decode
+
+    mask = 99
+    answers = [([10, 20, 1], 0.36), ([10, 21, 1], 0.24), ([11, 20, 1], 0.24), ([11, 21, 1], 0.16)]
+    assert decode(answers, 3, 0.5, 0.0, mask) == ([10, 20, 1], 2, 0)
+    assert decode(answers, 3, 0.7, 0.5, mask) == ([10, 20, 1], 4, 0)
+
+
+def test_ideal_decode_edits_a_token_the_rest_of_the_window_contradicts() -> None:
+    from redraft.training.ideal_decode import proposals
+
+    mask = 99
+    answers = [([10, 20, 30], 0.5), ([11, 21, 31], 0.5)]
+    prop = proposals(answers, [10, 21, 31], mask, eps=1e-3)  # two tokens vote for the second answer
+    assert prop[0][0] == 11 and prop[0][1] > 0.99
