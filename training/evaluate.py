@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--per-family", type=int, default=200, help="held-out problems per family (default: 200)")
     p.add_argument("--modes", nargs="+", default=None, choices=list(MODE_PARAMS),
-                   help="settings to run (default: Q S S-noedit Q-noedit, plus S-W2 S-W3 Q-W2 Q-W3 for suites v2, v3)")
+                   help="settings to run (default: Q S S-noedit Q-noedit, plus S-W2 S-W3 Q-W2 Q-W3 for suites v2, v3, v4)")
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
                    help="task suite (default: the one the checkpoint was trained on, else v1)")
     p.add_argument("--families", nargs="+", default=None, metavar="FAMILY",

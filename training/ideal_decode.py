@@ -99,7 +99,7 @@ def run(tok, per_family: int, seed: int, length: int, draws: int) -> dict[str, d
 
 
 def main(argv: list[str] | None = None) -> int:
-    from redraft.engine.model.model_path import BUNDLED_MODEL_DIR
+    from redraft.engine.text.model_path import BUNDLED_MODEL_DIR
     from redraft.engine.text.tokenizer import Tokenizer
 
     p = argparse.ArgumentParser(prog="python -m redraft.training.ideal_decode", description=__doc__.split("\n")[0])
