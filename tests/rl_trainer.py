@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
 
-def join(port: int, world_size: int, group_name: str) -> object:
+def join(port: int, world_size: int, group_name: str, backend: str = "gloo") -> object:
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
-    group = _new_process_group_helper(world_size, 0, [], "gloo", PrefixStore(group_name, store),
+    group = _new_process_group_helper(world_size, 0, [], backend, PrefixStore(group_name, store),
                                       group_name=group_name, timeout=timeout)
     group = group[0] if isinstance(group, tuple) else group
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
@@ -40,10 +40,14 @@ def main() -> int:
     p.add_argument("--names", required=True, help="a JSON list of the tensor names to send, in order")
     p.add_argument("--flattened", action="store_true")
     p.add_argument("--rounds", type=int, default=1, help="send the list this many times (one update each)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    p.add_argument("--device", default="cpu", help="where the sent tensors live (cuda:N for nccl)")
     a = p.parse_args()
-    tensors = load_file(f"{a.checkpoint}/model.safetensors")
+    if a.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(a.device))
+    tensors = {n: t.to(a.device) for n, t in load_file(f"{a.checkpoint}/model.safetensors").items()}
     names = json.loads(open(a.names).read())
-    group = join(a.port, a.world_size, a.group)
+    group = join(a.port, a.world_size, a.group, a.backend)
     print("joined", flush=True)
     for _ in range(a.rounds):
         if a.flattened:
