@@ -511,15 +511,16 @@ class _Recorder:
 
 @contextmanager
 def record_launches():
-    """Replace every MoE/FP8 kernel by a recorder; yields the list of recorded launches. The wrappers then run
+    """Replace every MoE/FP8/norm kernel by a recorder; yields the list of recorded launches. The wrappers then run
     on any tensors (meta included) without executing a kernel."""
     from redraft.kernels import fp8_triton as ft
     from redraft.kernels import moe_triton as mt
+    from redraft.kernels import norm_triton as nt
 
     names = {mt: ["_route_kernel", "_block_route_kernel", "_moe_count_kernel", "_moe_scan_kernel",
-                  "_moe_scatter_kernel", "_fused_moe_kernel", "_silu_mul_kernel", "_moe_reduce_kernel",
-                  "_block_gemm_kernel"],
-             ft: ["_block_gemm_kernel"]}
+                  "_moe_scatter_kernel", "_moe_align_kernel", "_fused_moe_kernel", "_silu_mul_kernel",
+                  "_moe_reduce_kernel", "_block_gemm_kernel"],
+             ft: ["_block_gemm_kernel"], nt: ["_add_rms_norm_kernel", "_qk_norm_rope_kernel"]}
     log: list = []
     saved = []
     for mod, ks in names.items():

@@ -266,15 +266,17 @@ def route_blocks_triton(x: torch.Tensor, gate_weight: torch.Tensor, expert_bias:
 def route_layer_triton(moe: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton twin of `route_layer_torch`: block routing when the layer's config has an expert capacity,
-    grouped routing otherwise."""
+    grouped routing otherwise. The router weight in fp32 comes from `moe.router_f32` when the layer cached it
+    (the same values: a bf16 -> fp32 conversion is exact), saving a conversion per forward."""
     c = moe.cfg
+    router = moe.router if getattr(moe, "router_f32", None) is None else moe.router_f32
     if c.expert_capacity > 0:
         if labels is None:
             raise ValueError("block routing (expert_capacity > 0) needs each token's routing block")
-        return route_blocks_triton(x, moe.router, moe.expert_bias, labels, top_k=c.num_experts_per_tok,
+        return route_blocks_triton(x, router, moe.expert_bias, labels, top_k=c.num_experts_per_tok,
                                    capacity=c.expert_capacity, block_size=c.block_size,
                                    routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob)
-    return route_triton(x, moe.router, moe.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
+    return route_triton(x, router, moe.expert_bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
                         topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
                         norm_topk_prob=c.norm_topk_prob)
 
@@ -342,6 +344,51 @@ def _moe_scatter_kernel(Ids, Offsets, Starts, Sorted, n_pairs, stride_it, shared
     tl.store(Sorted + base + rank, p, mask=ok)
 
 
+@_jit
+def _moe_align_kernel(Ids, Offsets, Starts, Sorted, TileExpert, NumPost, n_pairs, n_chunks, max_tiles, n_slots,
+                      stride_it, shared_id, TOP_K: tl.constexpr, K_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    """The whole alignment in one program (small batches): counts, scans, every tile's expert, the padding fill
+    and the scatter, in that order; the barrier orders the fill and the scan's stores before the scatter."""
+    cols = tl.arange(0, BLOCK_E)
+    q = tl.arange(0, BLOCK_P)
+    run = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(n_chunks):  # per-chunk counts -> each chunk's offset inside each expert's list
+        p = c * BLOCK_P + q
+        p_ok = p < n_pairs
+        e = _pair_expert(Ids, p, p_ok, stride_it, shared_id, TOP_K, K_OUT)
+        e = tl.where(p_ok & (e >= 0), e, BLOCK_E)
+        tl.store(Offsets + c * BLOCK_E + cols, run)
+        run += tl.reduce((e[:, None] == cols[None, :]).to(tl.int32), 0, _sum_fn)
+    padded = (run + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(Starts + cols, ends - padded)
+    total = tl.reduce(padded, 0, _sum_fn)
+    tl.store(NumPost, total)
+    for t0 in range(0, max_tiles, BLOCK_TILES):
+        tile = t0 + tl.arange(0, BLOCK_TILES)
+        pos = tile * BLOCK_M
+        ex = tl.reduce((ends[None, :] <= pos[:, None]).to(tl.int32), 1, _sum_fn)
+        tl.store(TileExpert + tile, tl.where(pos < total, ex, -1), mask=tile < max_tiles)
+    for s0 in range(0, n_slots, BLOCK_P):  # padding slots hold n_pairs (the scatter overwrites the used ones)
+        tl.store(Sorted + s0 + q, tl.zeros([BLOCK_P], dtype=tl.int32) + n_pairs, mask=s0 + q < n_slots)
+    tl.debug_barrier()
+    for c in range(n_chunks):
+        p = c * BLOCK_P + q
+        p_ok = p < n_pairs
+        e = _pair_expert(Ids, p, p_ok, stride_it, shared_id, TOP_K, K_OUT)
+        ok = p_ok & (e >= 0)
+        earlier = (e[:, None] == e[None, :]) & (q[None, :] < q[:, None]) & ok[None, :]
+        rank = tl.reduce(earlier.to(tl.int32), 1, _sum_fn)
+        base = tl.load(Starts + e, mask=ok, other=0) + tl.load(Offsets + c * BLOCK_E + e, mask=ok, other=0)
+        tl.store(Sorted + base + rank, p, mask=ok)
+
+
+# Up to this many pairs (4 blocks of 32 tokens, top-8 + the shared expert) the alignment is one launch of one
+# program (its chunks in series); above it the parallel count and scatter win. Untimed: the GPU probe measures it.
+ALIGN_ONE_PROGRAM_PAIRS = 4 * 32 * 9
+
+
 @dataclass
 class MoEPlan:
     """Pairs sorted by expert, each expert's run padded to a multiple of block_m (padding slots hold n_pairs)."""
@@ -358,7 +405,9 @@ class MoEPlan:
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared: bool = False) -> MoEPlan:
     """Sort the T * K_OUT (token, expert) pairs by expert and pad each expert's list to block_m. With
     shared=True every token gets a last pair on expert `num_experts` (the folded shared expert). Pairs on expert
-    -1 (another rank's: expert parallelism) are left out."""
+    -1 (another rank's: expert parallelism) are left out. Up to ALIGN_ONE_PROGRAM_PAIRS pairs (a decoding
+    batch of a few blocks) in one launch (`_moe_align_kernel`); more: a fill and three launches
+    (counts per chunk in parallel, the scans, the scatter in parallel)."""
     check_device(topk_ids)
     t, k = topk_ids.shape
     k_out = k + int(shared)
@@ -371,7 +420,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared: bo
     n_chunks = max(1, triton.cdiv(p, block_p))
     max_slots = p + min(n_exp, p) * (block_m - 1)
     max_tiles = max(1, triton.cdiv(max_slots, block_m))
-    sorted_pairs = torch.full((max_tiles * block_m,), p, dtype=torch.int32, device=dev)
+    one = 0 < p <= ALIGN_ONE_PROGRAM_PAIRS  # one launch, the padding fill included
+    n_slots = max_tiles * block_m
+    sorted_pairs = (torch.empty(n_slots, dtype=torch.int32, device=dev) if one else
+                    torch.full((n_slots,), p, dtype=torch.int32, device=dev))
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     plan = MoEPlan(sorted_pairs, tile_expert, num_post, p, k_out, block_m, max_tiles)
@@ -384,9 +436,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared: bo
     offsets = torch.empty_like(counts)
     starts = torch.empty(block_e, dtype=torch.int32, device=dev)
     common = dict(TOP_K=k, K_OUT=k_out, BLOCK_P=block_p, BLOCK_E=block_e)
+    block_tiles = min(128 if not interp else 1024, next_pow2(max_tiles))
+    if one:
+        _moe_align_kernel[(1,)](ids, offsets, starts, sorted_pairs, tile_expert, num_post, p, n_chunks, max_tiles,
+                                n_slots, ids.stride(0), num_experts, BLOCK_M=block_m,
+                                BLOCK_TILES=block_tiles, **common)
+        return plan
     _moe_count_kernel[(n_chunks,)](ids, counts, p, ids.stride(0), num_experts, **common)
     _moe_scan_kernel[(1,)](counts, offsets, starts, tile_expert, num_post, n_chunks, max_tiles, BLOCK_M=block_m,
-                           BLOCK_E=block_e, BLOCK_TILES=min(128 if not interp else 1024, next_pow2(max_tiles)))
+                           BLOCK_E=block_e, BLOCK_TILES=block_tiles)
     _moe_scatter_kernel[(n_chunks,)](ids, offsets, starts, sorted_pairs, p, ids.stride(0), num_experts, **common)
     return plan
 

@@ -14,6 +14,7 @@ with a CUDA device the same tests run compiled. Shapes stay tiny: the interprete
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 import json
 import os
 import random
@@ -125,13 +126,47 @@ def test_block_route_ties_and_isolation():
 
 
 # ---- the plan -----------------------------------------------------------------------------------------
+@contextmanager
+def record_kernels():
+    """Names of the Triton kernels launched inside (they still run)."""
+    from triton.runtime.jit import KernelInterface
+
+    names: list[str] = []
+    getitem = KernelInterface.__getitem__
+
+    def launch(self, grid):
+        names.append(getattr(self, "__name__", None) or self.fn.__name__)
+        return getitem(self, grid)
+
+    KernelInterface.__getitem__ = launch
+    try:
+        yield names
+    finally:
+        KernelInterface.__getitem__ = getitem
+
+
+@pytest.mark.parametrize("one_program", [True, False])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("t,e,k,block_m", [(37, 8, 2, 16), (5, 16, 3, 16), (70, 8, 2, 32)])
-def test_align_plan(t, e, k, block_m, shared):
+def test_align_plan(t, e, k, block_m, shared, one_program, monkeypatch):
+    """Both alignments: one program (fill folded in) for small batches, and the fill + three parallel launches."""
     g = torch.Generator().manual_seed(t)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(DEVICE)
     ids[:4] = torch.arange(k)  # a popular set, and (with t small) experts nobody picks
-    plan = mt.moe_align(ids, e, block_m, shared=shared)
+    monkeypatch.setattr(mt, "ALIGN_ONE_PROGRAM_PAIRS", 10**6 if one_program else 0)
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # an int32 slot the alignment forgets to write shows as -7
+        out = real_empty(*args, **kwargs)
+        if out.dtype == torch.int32:
+            out.fill_(-7)
+        return out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    with record_kernels() as names:
+        plan = mt.moe_align(ids, e, block_m, shared=shared)
+    assert names == (["_moe_align_kernel"] if one_program else
+                     ["_moe_count_kernel", "_moe_scan_kernel", "_moe_scatter_kernel"])
     k_out = k + int(shared)
     assert plan.n_pairs == t * k_out and plan.k_out == k_out
     used = int(plan.num_post)
@@ -410,7 +445,8 @@ def test_layer_has_no_host_sync_on_meta(quantization, routing):
         mt.check_device, ft.check_device = check
     names = {kernel.__name__ for kernel, *_ in log}
     router = "_route_kernel" if routing == "grouped" else "_block_route_kernel"
-    assert {router, "_moe_scan_kernel", "_fused_moe_kernel", "_moe_reduce_kernel"} <= names
+    assert {router, "_fused_moe_kernel", "_moe_reduce_kernel", "_add_rms_norm_kernel", "_qk_norm_rope_kernel"} <= names
+    assert "_moe_align_kernel" in names and "_moe_scan_kernel" not in names  # small batches: one align launch
     if quantization:
         assert "_block_gemm_kernel" in names  # the FP8 attention / dense linears
     fused = [(grid, kw) for kernel, grid, _, kw in log if kernel.__name__ == "_fused_moe_kernel"]

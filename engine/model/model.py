@@ -18,6 +18,7 @@ from redraft.engine.model.config import ModelConfig
 from redraft.kernels.attention import AttentionMetadata, paged_attention_torch
 from redraft.kernels.moe import (compute_dtype, local_expert_ids, moe_experts_torch, route_layer_torch,
                                 routing_blocks, swiglu)
+from redraft.kernels.norm import add_rms_norm_torch, rotary_table, rotary_torch
 from redraft.protocol.sampling_params import BLOCK_SIZE
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -28,11 +29,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel_backend = "torch"
+
+    def set_kernel_backend(self, backend: str) -> None:
+        self.kernel_backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(compute_dtype(x.dtype))  # variance in fp32 (or higher)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.add_forward(x, None)[0]
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h + delta), h + delta): the residual add folded into the norm (one launch on "triton")."""
+        if self.kernel_backend == "triton":
+            from redraft.kernels.norm_triton import add_rms_norm_triton
+
+            return add_rms_norm_triton(h, delta, self.weight, self.eps)
+        return add_rms_norm_torch(h, delta, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -43,17 +54,7 @@ class Rotary(nn.Module):
         self.rotary_dim, self.theta = rotary_dim, theta
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
-        cdt = compute_dtype(x.dtype)
-        # Angles in float64 (cheap: [T, rd/2]) so every dtype rotates by the same, exact angles.
-        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=x.device) / self.rotary_dim
-        inv_freq = 1.0 / self.theta**exponent  # [rd/2]
-        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, rd/2]
-        cos, sin = angles.cos().to(cdt)[:, None, :], angles.sin().to(cdt)[:, None, :]
-        half = self.rotary_dim // 2
-        xr = x[..., : self.rotary_dim].to(cdt)
-        x1, x2 = xr[..., :half], xr[..., half:]
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
+        return rotary_torch(x, positions, self.rotary_dim, self.theta)
 
 
 class Attention(nn.Module):
@@ -68,9 +69,28 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = Rotary(self.head_dim, cfg.rotary_dim, cfg.rope_theta)
+        self.eps, self.max_positions = cfg.rms_norm_eps, cfg.max_position_embeddings
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin): set on kernel_backend="triton"
+
+    def set_kernel_backend(self, backend: str) -> None:
+        """"triton": QK-norm and rotary in one launch (kernels/norm_triton.py) from a cos/sin table built here."""
+        self.rope_table = None
+        if backend == "triton":
+            self.rope_table = rotary_table(self.rotary.rotary_dim, self.rotary.theta, self.max_positions,
+                                           self.qkv.weight.device)
 
     def forward(self, x, meta: AttentionMetadata, k_cache, v_cache, attend: AttentionFn) -> torch.Tensor:
         t = x.shape[0]
+        if self.rope_table is not None:
+            from redraft.kernels.norm_triton import qk_norm_rope_triton
+
+            qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
+            q, k = qk_norm_rope_triton(qkv, meta.positions, *self.rope_table, self.n_q, self.n_kv, self.head_dim,
+                                       self.rotary.rotary_dim, self.q_norm.weight if self.use_qk_norm else None,
+                                       self.k_norm.weight if self.use_qk_norm else None, self.eps)
+            v = qkv[:, (self.n_q + self.n_kv) * self.head_dim:].view(t, self.n_kv, self.head_dim)
+            out = attend(q, k, v, k_cache, v_cache, meta)  # [T, Hq, D]
+            return self.o_proj(out.reshape(t, self.n_q * self.head_dim))
         q, k, v = self.qkv(x).split(
             [self.n_q * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1
         )
@@ -110,8 +130,11 @@ class MoE(nn.Module):
         # set_kernel_backend: the fused Triton MoE for "triton" (kernels/moe_triton.py), the W8A8 twin for e4m3
         # weights on "torch". labels: each token's routing block (block routing), else None.
         self.impl: Callable[["MoE", torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+        self.router_f32: torch.Tensor | None = None  # the router weight in fp32 (kernel_backend="triton")
 
     def set_kernel_backend(self, backend: str) -> None:
+        # the router GEMM runs in fp32: its weight converted once here, not in every forward
+        self.router_f32 = self.router.detach().float() if backend == "triton" else None
         if backend == "triton":
             from redraft.kernels.moe_triton import moe_forward_triton  # imports triton lazily
 
@@ -144,11 +167,13 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, meta, k_cache, v_cache, attend: AttentionFn, labels: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), meta, k_cache, v_cache, attend)
-        x = self.post_norm(h)
-        return h + (self.mlp(x, labels) if isinstance(self.mlp, MoE) else self.mlp(x))
+    def forward(self, h, delta: torch.Tensor | None, meta, k_cache, v_cache, attend: AttentionFn,
+                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) -> (h', delta'): the residual stream and the previous layer's MLP output not yet added to it,
+        so that each add is folded into the norm after it (the next layer's input norm, or the final norm)."""
+        x, h = self.input_norm.add_forward(h, delta)  # h = h + delta; x = norm(h)
+        x, h = self.post_norm.add_forward(h, self.attn(x, meta, k_cache, v_cache, attend))
+        return h, (self.mlp(x, labels) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 class LLaDA2Model(nn.Module):
@@ -177,9 +202,10 @@ class LLaDA2Model(nn.Module):
     ) -> torch.Tensor:  # [T, H] final-normed hidden states
         h = self.embed(input_ids)
         labels = routing_blocks(meta.positions, meta.cu_q, self.cfg.block_size) if self.cfg.block_routing else None
+        delta = None  # the last layer's MLP output, added to h by the next norm
         for i, layer in enumerate(self.layers):
-            h = layer(h, meta, k_cache[i], v_cache[i], self.attend, labels)
-        return self.norm(h)
+            h, delta = layer(h, delta, meta, k_cache[i], v_cache[i], self.attend, labels)
+        return self.norm.add_forward(h, delta)[0]
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] hidden states (or [..., H]) -> [..., V] logits in >= fp32 of hidden[rows] ([R...] indices into
