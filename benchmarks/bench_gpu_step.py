@@ -211,16 +211,18 @@ def compile_report(shapes: str | None = None) -> int:
     names = list(inspect.signature(at._block_causal_attn_kernel).parameters)
     ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     fn = triton.jit(at._block_causal_attn_kernel)
-    for name, dtype, hq, hkv, d in wanted:
-        cfg = at.launch_config(hq // hkv, d, BLOCK, BLOCK, interp=False)
+    for (name, dtype, hq, hkv, d), splits in [(w, s) for w in wanted for s in (1, 8)]:
+        cfg = at.launch_config(hq // hkv, d, BLOCK, BLOCK, interp=False, split=splits > 1)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-        const = {**cfg, "IEEE": dtype == "float32"}
+        const = {**cfg, "IEEE": dtype == "float32", "SPLITS": splits, "HQ": hq}
         sig = {}
         for n in names:
             if n in const:
                 sig[n] = "constexpr"
             elif n in ("Q", "K", "V", "KC", "VC", "Out"):
                 sig[n] = f"*{ty[dtype]}"
+            elif n in ("PartO", "PartML"):
+                sig[n] = "*fp32"
             elif n in ("Slots", "PageTable", "QStarts", "QLens", "CuQ", "WinStarts"):
                 sig[n] = "*i64"
             elif n == "qk_scale":
@@ -237,7 +239,7 @@ def compile_report(shapes: str | None = None) -> int:
         use = cubin_usage(kern, cuobjdump)
         wgmma = "yes" if "HGMMA" in use["mma"] else "no"
         print(f"sm_90 {name} {dtype} G={hq // hkv} D={d} BLOCK_M={cfg['BLOCK_M']} BLOCK_N={cfg['BLOCK_N']} "
-              f"warps={warps} stages={stages}: regs {use['regs']} stack {use['stack']} local {use['local']} "
+              f"splits={splits} warps={warps} stages={stages}: regs {use['regs']} stack {use['stack']} local {use['local']} "
               f"shared {use['shared']} wgmma {wgmma}")
     return 0
 

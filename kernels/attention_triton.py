@@ -115,6 +115,7 @@ def _block_causal_attn_kernel(
     K, V,  # [T, Hkv, D] the window's new keys/values
     KC, VC,  # [P * B, Hkv, D] cache rows
     Out,  # [T, Hq, D]
+    PartO, PartML,  # SPLITS > 1: [SPLITS, T, Hq, D] fp32 unnormalised partial outputs, [SPLITS, 2, T, Hq] fp32 (max, sum)
     Slots,  # [T] int64 cache row each new K/V goes to (< 0: not stored)
     PageTable,  # [N, max_pages] int64
     QStarts, QLens, CuQ,  # [N], [N], [N + 1] (kv_len = q_start + q_len)
@@ -126,6 +127,10 @@ def _block_causal_attn_kernel(
     stride_ot, stride_oh,
     stride_cs, stride_ch,  # cache: per row (slot), per head
     stride_pt,  # page table: per request
+    stride_ps, stride_pml,  # partials: per split (PartO), per split (PartML)
+    n_rows,  # T * Hq: the partials' (token, head) rows
+    SPLITS: tl.constexpr,  # key ranges of the cached prefix, one program each (split-KV); 1: no partials
+    HQ: tl.constexpr,  # query heads
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two
     HEAD_DIM: tl.constexpr,
@@ -138,7 +143,8 @@ def _block_causal_attn_kernel(
 ):
     r = tl.program_id(0)  # request
     tile = tl.program_id(1)  # tile of BLOCK_M query tokens inside the request's window
-    h = tl.program_id(2)  # KV head
+    h = tl.program_id(2) // SPLITS  # KV head
+    split = tl.program_id(2) % SPLITS  # which range of the cached prefix (the last one also does the window)
     q_len = tl.load(QLens + r)
     m0 = tile * BLOCK_M
     if m0 < q_len:  # the grid covers the longest window; shorter ones leave programs idle
@@ -152,9 +158,9 @@ def _block_causal_attn_kernel(
         VCh = VC + h * stride_ch
 
         # 1) Store this tile's new keys/values (head h) into their pages. No program of this launch reads
-        #    them back from the cache: the window's keys come straight from K/V below.
+        #    them back from the cache: the window's keys come straight from K/V below. (Split 0 stores.)
         wm = m0 + tl.arange(0, BLOCK_M)
-        w_in = wm < q_len
+        w_in = wm < tl.where(split == 0, q_len, 0)
         w_tok = tok0 + wm
         w_slot = tl.load(Slots + w_tok, mask=w_in, other=-1)
         w_mask = (w_in & (w_slot >= 0))[:, None]
@@ -192,9 +198,16 @@ def _block_causal_attn_kernel(
         #     to every query of the window (k < q_start <= q, so block(k) <= block(q)): no causal mask.
         #     (The online softmax below is written out twice on purpose: a helper function would cost a
         #     call per iteration in the interpreter.)
-        for n0 in range(0, q_start, BLOCK_N):
+        #     Split-KV: split s takes keys [s * chunk, (s + 1) * chunk) of the prefix, chunk a multiple of BLOCK_N.
+        lo = q_start * 0  # (the type of q_start in both branches)
+        hi = q_start
+        if SPLITS > 1:
+            chunk = tl.cdiv(tl.cdiv(q_start, SPLITS), BLOCK_N) * BLOCK_N
+            lo = tl.minimum(split * chunk, q_start)
+            hi = tl.minimum(lo + chunk, q_start)
+        for n0 in range(lo, hi, BLOCK_N):
             k_pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute key positions
-            k_ok = k_pos < q_start
+            k_ok = k_pos < hi
             page = tl.load(pt_row + k_pos // PAGE, mask=k_ok, other=0)
             c_off = (page * PAGE + k_pos % PAGE)[:, None] * stride_cs + d[None, :]
             kv_mask = k_ok[:, None]
@@ -232,6 +245,8 @@ def _block_causal_attn_kernel(
         q_last = q_start + tl.minimum(m0 + BLOCK_M, q_len) - 1
         hor_last = tl.where(q_last >= win_start, last_blk, q_last // PAGE)
         kv_end = tl.minimum(q_start + q_len, (hor_last + 1) * PAGE)
+        if SPLITS > 1:
+            kv_end = tl.where(split == SPLITS - 1, kv_end, q_start)  # the window: the last split's
         w_base = tok0 - q_start  # K/V row of key position p is w_base + p
         for n0 in range(q_start, kv_end, BLOCK_N):
             k_pos = n0 + tl.arange(0, BLOCK_N)
@@ -271,19 +286,57 @@ def _block_causal_attn_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        out = acc / l_i[:, None]
-        o_off = tok[:, None] * stride_ot + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
-        tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=row_mask)
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            o_off = tok[:, None] * stride_ot + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
+            tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=row_mask)
+        else:  # this split's unnormalised output, running max and sum: `_split_kv_combine_kernel` folds them
+            head = tok * HQ + h * GROUP + g  # [ROWS] flat (token, query head)
+            tl.store(PartO + split * stride_ps + head[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask)
+            ml_mask = m < q_len
+            if BLOCK_G != GROUP:
+                ml_mask = ml_mask & (g < GROUP)
+            tl.store(PartML + split * stride_pml + head, m_i, mask=ml_mask)
+            tl.store(PartML + split * stride_pml + n_rows + head, l_i, mask=ml_mask)
+
+
+def _split_kv_combine_kernel(
+    PartO, PartML, Out,  # [SPLITS, T * Hq, D] fp32, [SPLITS, 2, T * Hq] fp32, [T, Hq, D]
+    n_rows, stride_ps, stride_pml, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """out = sum_s acc_s 2^(m_s - m) / sum_s l_s 2^(m_s - m), m = max_s m_s, summed in split order (deterministic:
+    no atomics, the same bits every run). BLOCK_R (token, head) rows per program."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < n_rows
+    d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (d < HEAD_DIM)[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        m = tl.maximum(m, tl.load(PartML + s * stride_pml + rows, mask=r_ok, other=float("-inf")))
+    m = tl.where(r_ok, m, 0.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s in range(SPLITS):
+        w = tl.exp2(tl.load(PartML + s * stride_pml + rows, mask=r_ok, other=float("-inf")) - m)  # 0: empty split
+        den += tl.load(PartML + s * stride_pml + n_rows + rows, mask=r_ok, other=0.0) * w
+        acc += tl.load(PartO + s * stride_ps + rows[:, None].to(tl.int64) * HEAD_DIM + d[None, :], mask=mask,
+                       other=0.0) * w[:, None]
+    out = acc / tl.where(r_ok, den, 1.0)[:, None]
+    tok = rows // HQ
+    o_off = tok.to(tl.int64)[:, None] * stride_ot + (rows % HQ)[:, None] * stride_oh + d[None, :]
+    tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=mask)
 
 
 _KERNELS: list = []
 
 
 def _kernels(t: torch.Tensor) -> tuple:
-    """(write_kv, attention), jitted on first use (interpreted or compiled, as the process decided)."""
+    """(write_kv, attention, split-KV combine), jitted on first use (interpreted or compiled, as the process decided)."""
     check_device(t)
     if not _KERNELS:
-        _KERNELS.extend([triton.jit(_write_kv_kernel), triton.jit(_block_causal_attn_kernel)])
+        _KERNELS.extend([triton.jit(_write_kv_kernel), triton.jit(_block_causal_attn_kernel),
+                         triton.jit(_split_kv_combine_kernel)])
     return tuple(_KERNELS)
 
 
@@ -306,7 +359,7 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != d:
         v = v.contiguous()
-    write, _ = _kernels(k)
+    write = _kernels(k)[0]
     row = hkv * d
     block_c = min(next_pow2(row), 1024)
     block_t = min(next_pow2(t), 64) if interpreting() else max(1, min(next_pow2(t), 4096 // block_c))
@@ -323,6 +376,7 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     out: torch.Tensor | None = None,  # [T, Hq, D]; allocated when None
+    splits: int | None = None,  # split-KV ranges; None: `kv_splits` (by the batch shape)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Drop-in for `paged_attention_torch` (one launch: stores the new K/V and attends). Launch-only on the
     host (no device->host sync), so it can be captured in a CUDA graph: the grid depends on `meta.max_q` and
@@ -342,16 +396,26 @@ def paged_attention_triton(
         return out
     # The innermost (head_dim) stride must be 1; token and head strides are free (views of one GEMM).
     q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
-    _, attn = _kernels(q)
+    _, attn, combine = _kernels(q)
     interp = interpreting()
     group = hq // hkv
     cfg = launch_config(group, d, meta.block_size, meta.max_q, interp)
     n_req = meta.q_lens.shape[0]
+    tiles = triton.cdiv(meta.max_q, cfg["BLOCK_M"])
+    n_splits = kv_splits(n_req, hkv, tiles, meta.max_q, interp) if splits is None else splits
+    if n_splits > 1:  # smaller query tiles: more programs, and no spill with the partials' stores (sm_90 report)
+        cfg = launch_config(group, d, meta.block_size, meta.max_q, interp, split=True)
+        tiles = triton.cdiv(meta.max_q, cfg["BLOCK_M"])
     kc = k_cache.view(-1, hkv, d)
     vc = v_cache.view(-1, hkv, d)
-    grid = (n_req, triton.cdiv(meta.max_q, cfg["BLOCK_M"]), hkv)
+    if n_splits > 1:  # partials in fp32: [SPLITS, T * Hq, D] outputs, [SPLITS, 2, T * Hq] (max, sum)
+        part_o = torch.empty(n_splits, t * hq, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(n_splits, 2, t * hq, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # (not touched)
+    grid = (n_req, tiles, hkv * n_splits)
     attn[grid](
-        q, k, v, kc, vc, out,
+        q, k, v, kc, vc, out, part_o, part_ml,
         meta.slot_mapping, meta.page_tables, meta.q_starts, meta.q_lens, meta.cu_q, meta.window_starts,
         _LOG2E / math.sqrt(d),
         q.stride(0), q.stride(1),
@@ -360,26 +424,55 @@ def paged_attention_triton(
         out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1),
         meta.page_tables.stride(0),
+        part_o.stride(0), part_ml.stride(0), t * hq,
+        SPLITS=n_splits, HQ=hq,
         IEEE=q.dtype == torch.float32, **cfg,
     )
+    if n_splits > 1:
+        block_r = 64 if interp else 16
+        combine[(triton.cdiv(t * hq, block_r),)](
+            part_o, part_ml, out, t * hq, part_o.stride(0), part_ml.stride(0), out.stride(0), out.stride(1),
+            SPLITS=n_splits, HQ=hq, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_R=block_r,
+            **({} if interp else {"num_warps": 4}))
     return out
 
 
-def launch_config(group: int, head_dim: int, page: int, max_q: int, interp: bool) -> dict:
+_SMS: list[int] = []
+
+
+def kv_splits(n_req: int, hkv: int, tiles: int, max_q: int, interp: bool) -> int:
+    """How many key ranges each (request, tile, KV head) program's prefix is cut into: enough programs for about
+    one per multiprocessor at small batches, from the batch shape alone (so one CUDA graph serves every context).
+    Only for denoising-size windows (max_q <= 64): a prefill window has programs enough. 1 in the interpreter
+    (tests pass `splits=` to check the split path)."""
+    if interp or max_q > 64:
+        return 1
+    if not _SMS:
+        _SMS.append(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                    if torch.cuda.is_available() else 132)
+    return max(1, min(MAX_KV_SPLITS, _SMS[0] // max(1, n_req * hkv * tiles)))
+
+
+MAX_KV_SPLITS = 8  # each split adds T x Hq x D fp32 of partials (written, read): ~ 256 keys' K/V per request
+
+
+def launch_config(group: int, head_dim: int, page: int, max_q: int, interp: bool, split: bool = False) -> dict:
     """Tile sizes and launch options of the attention kernel (shared with the compile report of
     benchmarks/bench_gpu_step.py, so what is inspected is what runs).
 
     GPU: ~128 rows (query tokens x heads of the group) per program and one page of keys per iteration;
     8 warps once the fp32 accumulator is 128 x 128 (at 4 warps the mini shape spills: 255 registers and a
-    208-byte stack on sm_90; at 8 warps 193 registers, no stack, wgmma). Interpreter: larger programs, since
+    208-byte stack on sm_90; at 8 warps 193 registers, no stack, wgmma); split-KV programs take ~64 rows (with
+    128 and the partials' stores the mini shape spilled: 255 registers, a 72-byte stack). Interpreter: larger
+    programs, since
     its cost is per operation, not per element."""
     block_g = next_pow2(group)
     block_d = max(16, next_pow2(head_dim))
     if interp:
         block_m, block_n, warps, stages = max(16, min(64, next_pow2(max_q))), 128, 4, 1
     else:
-        block_m, block_n = max(16, min(page, 128 // block_g)), 32
-        warps = 8 if block_m * block_g * block_d >= 128 * 128 else 4
+        block_m, block_n = max(16, min(page, (64 if split else 128) // block_g)), 32
+        warps = 8 if split or block_m * block_g * block_d >= 128 * 128 else 4
         stages = 2
     return dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_M=block_m,
                 BLOCK_N=block_n, INTERP=interp, num_warps=warps, num_stages=stages)
