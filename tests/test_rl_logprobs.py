@@ -13,6 +13,7 @@ import redraft
 from naive_llada2 import NaiveLLaDA2
 
 BLOCK = 32
+pytestmark = pytest.mark.slow  # (a naive float64 forward per placement: about 20 s on a busy 2-core machine)
 
 
 @pytest.fixture(scope="module")

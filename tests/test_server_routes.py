@@ -14,7 +14,7 @@ from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import Rejected, ScoreResult
 from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
 from redraft.protocol.server_args import ServerArgs
-from redraft.server import likelihood_api, native_api, openai_api
+from redraft.server import likelihood_api, native_api, openai_api, rl_api
 from redraft.server.common import ServerState
 from redraft.server.http_server import create_app, request_error
 from redraft.server.param_names import CHAT, COMPLETIONS, SCORE, generate_names
@@ -59,7 +59,7 @@ def test_a_router_serves_from_an_app_of_its_own() -> None:
 def test_the_app_keeps_every_route_of_its_routers() -> None:
     app = create_app(_state())
     paths = set(app.openapi()["paths"])
-    for router in (openai_api.router, likelihood_api.router, native_api.router):
+    for router in (openai_api.router, likelihood_api.router, native_api.router, rl_api.router):
         assert {r.path_format for r in router.routes} <= paths
 
 
