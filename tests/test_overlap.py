@@ -217,6 +217,22 @@ def test_when_it_is_off() -> None:
     assert overlap_module.off_reason(ServerArgs(enable_overlap=True, disable_overlap=True)) == "--disable-overlap"
 
 
+def test_the_overlap_scheduler_wraps_the_runner_and_off_costs_nothing(engines) -> None:
+    """On, the loop runs each batch through `Overlap.run`; off, through `ModelRunner.run` itself: nothing of the
+    overlap scheduler is called per iteration (and replacing it, as the fixture does, rewires the loop)."""
+    on, off = engines["on"].core, engines["off"].core
+    assert off._run_batch == off.runner.run
+    assert on._run_batch != on.runner.run and on.overlap.enabled and not off.overlap.enabled
+    calls = []
+    run = on.overlap.run
+    on.overlap.run = lambda items, busy=False: (calls.append(len(items)), run(items, busy))[1]
+    try:
+        drive(on, _long(1, new=32))
+    finally:
+        del on.overlap.run
+    assert calls and all(n == 1 for n in calls)
+
+
 def test_inline_on_cuda_a_thread_on_cpu() -> None:
     """On CUDA the speculative forward is queued from the host's thread (launches are asynchronous); on CPU it
     needs a worker thread. Off, neither."""

@@ -138,6 +138,3 @@ class ModelRunner:
     def top1(self, hidden: torch.Tensor, also: tuple[int, ...] = ()) -> Top1:
         """Each row's best token and its probability from [R, H] hidden states (forward.top1)."""
         return forward.top1(self, hidden, also)
-
-    def settle(self) -> None:
-        """Nothing runs beside the caller (the overlap scheduler's runner waits for its speculative forward)."""
