@@ -181,6 +181,19 @@ REPORT_SHAPES = [  # name, dtype, Hq, Hkv, D
 ]
 
 
+def _arg_type(name: str, constexprs: dict, dtype: str) -> str:
+    """The Triton signature type of `_block_causal_attn_kernel`'s argument `name` (dtype: its tensors' element)."""
+    if name in constexprs:
+        return "constexpr"
+    if name in ("Q", "K", "V", "KC", "VC", "Out"):
+        return f"*{dtype}"
+    if name in ("PartO", "PartML"):
+        return "*fp32"
+    if name in ("Slots", "PageTable", "QStarts", "QLens", "CuQ", "WinStarts"):
+        return "*i64"
+    return "fp32" if name == "qk_scale" else "i32"
+
+
 def compile_report(shapes: str | None = None) -> int:
     """Compile `_block_causal_attn_kernel` ahead of time for sm_90 at the shapes the engine launches and print
     the resource report from the cubin. Exit 3 when this Triton has no CUDA toolchain."""
@@ -215,20 +228,7 @@ def compile_report(shapes: str | None = None) -> int:
         cfg = at.launch_config(hq // hkv, d, BLOCK, BLOCK, interp=False, split=splits > 1)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
         const = {**cfg, "IEEE": dtype == "float32", "SPLITS": splits, "HQ": hq}
-        sig = {}
-        for n in names:
-            if n in const:
-                sig[n] = "constexpr"
-            elif n in ("Q", "K", "V", "KC", "VC", "Out"):
-                sig[n] = f"*{ty[dtype]}"
-            elif n in ("PartO", "PartML"):
-                sig[n] = "*fp32"
-            elif n in ("Slots", "PageTable", "QStarts", "QLens", "CuQ", "WinStarts"):
-                sig[n] = "*i64"
-            elif n == "qk_scale":
-                sig[n] = "fp32"
-            else:
-                sig[n] = "i32"
+        sig = {n: _arg_type(n, const, ty[dtype]) for n in names}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
         try:
             kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -43,12 +43,59 @@ def gpu_mib(pid: int) -> int | None:
     return None
 
 
+def _wait_healthy(http: httpx.Client) -> None:
+    for _ in range(600):
+        try:
+            if http.get("/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+
+
+def _broadcast(http: httpx.Client, c: Path, tmp: Path, backend: str, trainer_device: str,
+               rows: list[tuple[str, str]]) -> None:
+    """A trainer process broadcasts checkpoint c to the engine (init_weights_update_group, then
+    update_weights_from_distributed), timed into `rows`."""
+    from live_server import free_port
+    from rl_support import tensor_specs
+
+    names, dtypes, shapes = tensor_specs(c)
+    (tmp / "names.json").write_text(json.dumps(names))
+    master_port = free_port()
+    trainer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rl_trainer.py"), "--port",
+                                str(master_port), "--world-size", "2", "--group", "g",
+                                "--checkpoint", str(c), "--names", str(tmp / "names.json"), "--backend",
+                                backend, "--device", trainer_device], stdin=subprocess.PIPE)
+    t0 = time.perf_counter()
+    r = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port":
+                                                      master_port, "rank_offset": 1, "world_size": 2,
+                                                      "group_name": "g", "backend": backend})
+    rows.append(("init_weights_update_group", f"{r.status_code} {r.json()} in {time.perf_counter() - t0:.2f}s"))
+    t0 = time.perf_counter()
+    r = http.post("/update_weights_from_distributed", json={"names": names, "dtypes": dtypes, "shapes": shapes,
+                                                            "group_name": "g", "weight_version": "c"})
+    rows.append(("update_weights_from_distributed", f"{r.status_code} in {time.perf_counter() - t0:.2f}s"))
+    trainer.stdin.write(b"\n")
+    trainer.stdin.flush()
+    trainer.wait(60)
+
+
+def _memory_round_trip(http: httpx.Client, engine_pid: int, rows: list[tuple[str, str]]) -> None:
+    """release_memory_occupation then resume_memory_occupation, with the engine's GPU memory at each stage."""
+    mem = [gpu_mib(engine_pid)]
+    rows.append(("release_memory_occupation", str(http.post("/release_memory_occupation", json={}).status_code)))
+    mem.append(gpu_mib(engine_pid))
+    rows.append(("resume_memory_occupation", str(http.post("/resume_memory_occupation", json={}).status_code)))
+    mem.append(gpu_mib(engine_pid))
+    rows.append(("engine GPU MiB before/released/resumed", " / ".join(map(str, mem))))
+
+
 def main() -> int:
     import torch
 
     from live_server import free_port
     from redraft.engine.model.tiny import make_tiny_checkpoint
-    from rl_support import tensor_specs
 
     tmp = Path(tempfile.mkdtemp(prefix="gpu-rl-"))
     a, c = make_tiny_checkpoint(tmp / "A", 0), make_tiny_checkpoint(tmp / "C", 2)
@@ -63,48 +110,19 @@ def main() -> int:
     rows: list[tuple[str, str]] = [("device", torch.cuda.get_device_name(0)), ("group backend", backend)]
     try:
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600, trust_env=False)
-        for _ in range(600):
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        _wait_healthy(http)
         info = http.get("/server_info").json()
         engine_pid = int(subprocess.run(["pgrep", "-P", str(server.pid), "-f", "spawn_main"], capture_output=True,
                                         text=True).stdout.split()[0])
         gen = lambda: [o["output_ids"] for o in http.post("/generate", json={"input_ids": PROMPTS,  # noqa: E731
                                                                               "sampling_params": SP}).json()]
         before = gen()
-        names, dtypes, shapes = tensor_specs(c)
-        (tmp / "names.json").write_text(json.dumps(names))
-        master_port = free_port()
-        trainer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rl_trainer.py"), "--port",
-                                    str(master_port), "--world-size", "2", "--group", "g",
-                                    "--checkpoint", str(c), "--names", str(tmp / "names.json"), "--backend",
-                                    backend, "--device", trainer_device], stdin=subprocess.PIPE)
-        t0 = time.perf_counter()
-        r = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port":
-                                                          master_port, "rank_offset": 1, "world_size": 2,
-                                                          "group_name": "g", "backend": backend})
-        rows.append(("init_weights_update_group", f"{r.status_code} {r.json()} in {time.perf_counter() - t0:.2f}s"))
-        t0 = time.perf_counter()
-        r = http.post("/update_weights_from_distributed", json={"names": names, "dtypes": dtypes, "shapes": shapes,
-                                                                "group_name": "g", "weight_version": "c"})
-        rows.append(("update_weights_from_distributed", f"{r.status_code} in {time.perf_counter() - t0:.2f}s"))
-        trainer.stdin.write(b"\n")
-        trainer.stdin.flush()
-        trainer.wait(60)
+        _broadcast(http, c, tmp, backend, trainer_device, rows)
         after = gen()
         rows.append(("answers before == fresh C", str(before == want_c)))
         rows.append(("answers after == fresh C", str(after == want_c)))
         rows.append(("CUDA graphs (server_info)", str({k: v for k, v in info.items() if "graph" in k})))
-        mem = [gpu_mib(engine_pid)]
-        rows.append(("release_memory_occupation", str(http.post("/release_memory_occupation", json={}).status_code)))
-        mem.append(gpu_mib(engine_pid))
-        rows.append(("resume_memory_occupation", str(http.post("/resume_memory_occupation", json={}).status_code)))
-        mem.append(gpu_mib(engine_pid))
-        rows.append(("engine GPU MiB before/released/resumed", " / ".join(map(str, mem))))
+        _memory_round_trip(http, engine_pid, rows)
         rows.append(("answers after the round trip == fresh C", str(gen() == want_c)))
     finally:
         server.terminate()
