@@ -158,6 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(torch.profiler)")
     p.add_argument("--skip-attention", action="store_true", help="skip the attention table")
     p.add_argument("--skip-prefill", action="store_true", help="skip the prefill table")
+    p.add_argument("--skip-steps", action="store_true", help="skip the engine (step and prefill tables)")
     p.add_argument("--write-docs", action="store_true", help=f"write the tables into {DOCS.relative_to(REPO)}")
     p.add_argument("--docs-path", default=str(DOCS), help="the page --write-docs updates")
     p.add_argument("--json-out", default=None, help="also write every number to this JSON file")
@@ -440,6 +441,8 @@ def bench_attention(cfg, args, bw: float, l2_bytes: int) -> list[dict]:
             qd = q.view(n, BLOCK, hq, d).transpose(1, 2)
             t_triton = _time(lambda i: paged_attention_triton(q, k, v, kc, vc, data[i][0]), args.iters,
                              args.warmup, sets)
+            t_one = _time(lambda i: paged_attention_triton(q, k, v, kc, vc, data[i][0], splits=1), args.iters,
+                          args.warmup, sets)  # the kernel without split-KV, for comparison
             t_twin = _time(lambda i: paged_attention_torch(q, k, v, kc, vc, data[i][0]), args.iters, args.warmup,
                            sets)
             # A denoising block sees all of its keys (every key is in a block <= its own): no mask needed.
@@ -450,7 +453,8 @@ def bench_attention(cfg, args, bw: float, l2_bytes: int) -> list[dict]:
             out_r = paged_attention_torch(q.float(), k.float(), v.float(), kc.float(), vc.float(), data[0][0])
             err = float((out_t.float() - out_r).norm() / out_r.norm())
             need = kv_bytes + 2 * q.numel() * esz + 2 * k.numel() * esz  # K/V read, q read, out + new K/V written
-            rows.append({"context": context, "batch": n, "triton_us": t_triton * 1e3, "sdpa_us": t_sdpa * 1e3,
+            rows.append({"context": context, "batch": n, "triton_us": t_triton * 1e3, "triton_nosplit_us": t_one * 1e3,
+                         "sdpa_us": t_sdpa * 1e3,
                          "twin_us": t_twin * 1e3, "floor_us": need / bw * 1e6, "rel_err_vs_fp32": err,
                          "rotated_sets": sets})
             print(f"  attention ctx {context} batch {n}: triton {t_triton * 1e3:.1f} us, sdpa {t_sdpa * 1e3:.1f} us, "
@@ -515,11 +519,12 @@ def render(info: dict, steps: list[dict], attn: list[dict], prefill: list[dict])
         lines += ["", f"Batch-1 floor at the datasheet bandwidth of this GPU ({info['nominal_bw'] / 1e12:.2f} TB/s): "
                       f"{nominal:.2f} ms (the facts file: 6.2 ms on an H100, 4.3 ms on an H200, weights only)."]
     lines += ["", "### Attention kernel (one layer, one denoising block per request, bf16)", "",
-              "| context | batch | Triton us | torch SDPA (contiguous K/V) us | paged torch twin us | memory floor us "
-              "| Triton / floor | rel. err vs fp32 |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| context | batch | Triton us (split-KV) | Triton us (no split) | torch SDPA (contiguous K/V) us "
+              "| paged torch twin us | memory floor us | Triton / floor | rel. err vs fp32 |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in attn:
-        lines.append(f"| {r['context']} | {r['batch']} | {r['triton_us']:.1f} | {r['sdpa_us']:.1f} | {r['twin_us']:.1f} | "
+        lines.append(f"| {r['context']} | {r['batch']} | {r['triton_us']:.1f} | {r['triton_nosplit_us']:.1f} | "
+                     f"{r['sdpa_us']:.1f} | {r['twin_us']:.1f} | "
                      f"{r['floor_us']:.1f} | {r['triton_us'] / r['floor_us']:.2f}x | {r['rel_err_vs_fp32']:.1e} |")
     lines += ["", "### One-pass prefill", "", "| prompt tokens | ms | tokens/s | floor ms (max of FLOPs, bytes) "
               "| achieved TFLOP/s |", "|---:|---:|---:|---:|---:|"]
@@ -602,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
 
     attn = [] if args.skip_attention else bench_attention(cfg, args, bw, l2)
     prefills = [] if args.skip_prefill else args.prefill
+    if args.skip_steps:
+        return report(info, [], attn, [], args)
     with tempfile.TemporaryDirectory() as tmp, \
             step_probe.routing(args.routing, max(args.batches) * BLOCK, args.seed) as probe:
         model_dir = write_model_dir(Path(tmp) / f"llada2.1-{args.model}-dummy", args.model)
@@ -613,6 +620,10 @@ def main(argv: list[str] | None = None) -> int:
         probe.mode = "model"  # prefill: the model's own routing (a prompt's tokens are real tokens)
         args.prefill = prefills
         prefill = bench_prefill(engine, args, cfg, mm, bw)
+    return report(info, steps, attn, prefill, args)
+
+
+def report(info: dict, steps: list[dict], attn: list[dict], prefill: list[dict], args) -> int:
     text = render(info, steps, attn, prefill)
     print()
     print(text)

@@ -54,7 +54,10 @@ each there), big tiles (its cost is per operation, not per element).
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -657,31 +660,57 @@ class SharedExpert:
     w2_scale: torch.Tensor | None = None
 
 
+# Launch configurations of `_fused_moe_kernel` by token count, per device: the table a device's sweep wrote
+# (kernels/moe_configs/<device>.json, `benchmarks/moe_config_sweep.py` on that GPU), else these seeds. The bf16
+# seeds follow tuned configs of peers for this shape (256 experts, I 512, H 2048): BLOCK_K 128, one warpgroup,
+# 2-3 stages; untimed here until a GPU sweep replaces them. Keys: the smallest token count an entry serves.
+MOE_CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
+SEED_CONFIGS = {
+    "bf16": {1: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=2),
+             256: dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, num_stages=2),  # (4 warps spill: sm_90 report)
+             1024: dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=2)},
+    "fp8": {1: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=3),
+            256: dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, num_stages=3),
+            1024: dict(BLOCK_M=64, BLOCK_K=128, num_warps=8, num_stages=2)},
+}
+_TABLES: dict[str, dict] = {}
+
+
+def device_config_path(name: str) -> Path:
+    return MOE_CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
+
+
+def config_table(fmt: str) -> dict[int, dict]:
+    """{min tokens: launch options} for "bf16" / "fp8" on this process's GPU (its sweep's file, else the seeds)."""
+    if fmt not in _TABLES:
+        table = dict(SEED_CONFIGS[fmt])
+        if torch.cuda.is_available():
+            path = device_config_path(torch.cuda.get_device_name())
+            if path.exists():
+                table = {int(t): c for t, c in json.loads(path.read_text()).get(fmt, {}).items()} or table
+        _TABLES[fmt] = table
+    return _TABLES[fmt]
+
+
 def fused_config(n_tokens: int, k_out: int, n_experts: int, hidden: int, inter: int, fp8: bool,
                  interp: bool) -> dict:
     """Launch configuration of `_fused_moe_kernel` (shared with the compile report of benchmarks/bench_moe.py)."""
     pairs = n_tokens * k_out
-    if fp8:
-        block_i = BLOCK if inter > BLOCK else max(16, next_pow2(inter))  # one activation group per slice
-        block_k = BLOCK if hidden > BLOCK else max(16, next_pow2(hidden))
-    else:
-        block_i = min(128, max(16, next_pow2(inter)))
-        block_k = min(64, max(16, next_pow2(hidden)))
+    block_i = (BLOCK if inter > BLOCK else max(16, next_pow2(inter))) if fp8 else min(128, max(16, next_pow2(inter)))
     if interp:  # the interpreter's cost is per operation: few, big programs
+        block_k = BLOCK if fp8 and hidden > BLOCK else min(256, max(16, next_pow2(hidden)))
         block_i = block_i if fp8 else min(256, max(16, next_pow2(inter)))
-        block_k = block_k if fp8 else min(256, max(16, next_pow2(hidden)))
         return dict(BLOCK_M=max(16, min(64, next_pow2(pairs))), BLOCK_I=block_i, BLOCK_K=block_k,
                     BLOCK_N=min(256, max(16, next_pow2(hidden))), num_warps=4, num_stages=1, path="interpreter")
-    # Chosen from the sm_90 compile report (benchmarks/bench_moe.py --compile-report): none of these spill; 16/32
-    # rows run on mma.sync (HMMA, e4m3 widened to fp16), 64 rows on wgmma (HGMMA / QGMMA). Untimed: no GPU yet.
-    per_expert = pairs / max(1, n_experts)
-    if per_expert <= 8:  # decode-size batches: the small-token path
-        return dict(BLOCK_M=16, BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=128, num_warps=8 if fp8 else 4,
-                    num_stages=3, path="small")
-    if per_expert <= 32:
-        return dict(BLOCK_M=32, BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=128, num_warps=8, num_stages=3,
-                    path="large")
-    return dict(BLOCK_M=64, BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=128, num_warps=8, num_stages=2, path="large")
+    table = config_table("fp8" if fp8 else "bf16")
+    key = max([t for t in table if t <= n_tokens], default=min(table))
+    cfg = dict(BLOCK_I=block_i, BLOCK_N=128, **table[key])
+    if fp8:  # one activation group (128 channels) per K step
+        cfg["BLOCK_K"] = BLOCK if hidden > BLOCK else max(16, next_pow2(hidden))
+    else:
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, next_pow2(hidden)))
+    cfg["path"] = "small" if cfg["BLOCK_M"] == 16 else "large"
+    return cfg
 
 
 def _check_inputs(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, shared):

@@ -40,6 +40,7 @@ def count_launches():
     from redraft.kernels import attention_triton as at
     from redraft.kernels import fp8_triton as ft
     from redraft.kernels import moe_triton as mt
+    from redraft.kernels import norm_triton as nt
 
     log: list = []
     saved_getitem = KernelInterface.__getitem__
@@ -49,7 +50,7 @@ def count_launches():
             log.append((getattr(self, "__name__", None) or self.fn.__name__, grid))
         return launch
 
-    checks = [(m, m.check_device) for m in (at, ft, mt) if hasattr(m, "check_device")]
+    checks = [(m, m.check_device) for m in (at, ft, mt, nt) if hasattr(m, "check_device")]
     KernelInterface.__getitem__ = record
     for m, _ in checks:
         m.check_device = lambda t: None  # meta tensors are fine here

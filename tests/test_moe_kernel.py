@@ -433,8 +433,10 @@ def test_layer_has_no_host_sync_on_meta(quantization, routing):
     graphs = DecodeGraphs(runner, max_bs=4, capture=False)
     import redraft.kernels.fp8_triton as ft
 
-    check = (mt.check_device, ft.check_device)
-    mt.check_device = ft.check_device = lambda t: None  # meta tensors are fine here
+    import redraft.kernels.norm_triton as nt
+
+    check = (mt.check_device, ft.check_device, nt.check_device)
+    mt.check_device = ft.check_device = nt.check_device = lambda t: None  # meta tensors are fine here
     try:
         with torch.inference_mode(), record_launches() as log:
             for bs in (1, 4):
@@ -442,7 +444,7 @@ def test_layer_has_no_host_sync_on_meta(quantization, routing):
                 logits = graphs._forward(bs)
                 assert logits.shape == (bs, 32, cfg.vocab_size)
     finally:
-        mt.check_device, ft.check_device = check
+        mt.check_device, ft.check_device, nt.check_device = check
     names = {kernel.__name__ for kernel, *_ in log}
     router = "_route_kernel" if routing == "grouped" else "_block_route_kernel"
     assert {router, "_fused_moe_kernel", "_moe_reduce_kernel", "_add_rms_norm_kernel", "_qk_norm_rope_kernel"} <= names
@@ -506,7 +508,28 @@ def test_moe_kernels_compile_for_hopper_without_spills():
     assert len(lines) > 10, proc.stdout
     for line in lines:
         assert " local 0 " in line, line
-        if "_moe_scan_kernel" not in line:  # (the scan keeps a 64-byte stack frame, no local loads/stores)
+        if "_moe_scan_kernel" not in line and "_moe_align_kernel" not in line:  # (the scans keep a 64-byte stack
+            # frame, no local loads/stores)
             assert " stack 0 " in line, line
     assert any("T=2048 fp8 fused _fused_moe_kernel" in line and "QGMMA" in line for line in lines)
     assert any("T=2048 bf16 fused _fused_moe_kernel" in line and "HGMMA" in line for line in lines)
+
+
+def test_config_table_by_token_count(tmp_path, monkeypatch):
+    """The fused kernel's launch options come from the device's sweep file when there is one, else the seeds, by the
+    largest token key <= the batch's tokens."""
+    monkeypatch.setattr(mt, "_TABLES", {})
+    small = mt.fused_config(32, 9, 257, 2048, 512, False, False)
+    assert (small["BLOCK_M"], small["BLOCK_K"], small["num_warps"], small["num_stages"]) == (16, 128, 4, 2)
+    assert mt.fused_config(512, 9, 257, 2048, 512, False, False)["BLOCK_M"] == 32
+    assert mt.fused_config(32, 9, 257, 2048, 512, True, False)["BLOCK_K"] == 128  # FP8: one activation group
+    path = tmp_path / "NVIDIA_Test_GPU.json"
+    path.write_text(json.dumps({"bf16": {"32": {"BLOCK_M": 32, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}}}))
+    monkeypatch.setattr(mt, "_TABLES", {})
+    monkeypatch.setattr(mt, "MOE_CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Test GPU")
+    tuned = mt.fused_config(64, 9, 257, 2048, 512, False, False)
+    assert (tuned["BLOCK_M"], tuned["BLOCK_K"], tuned["num_warps"], tuned["num_stages"]) == (32, 64, 8, 3)
+    assert mt.fused_config(16, 9, 257, 2048, 512, True, False)["BLOCK_M"] == 16  # no fp8 entry: the seeds
+    monkeypatch.setattr(mt, "_TABLES", {})
