@@ -40,6 +40,7 @@ from redraft.protocol.errors import RequestError, duplicate_request_id
 from redraft.protocol.messages import (
     Accepted, AbortReq, ControlResult, EngineFailed, EngineReady, FlushCacheReq, FlushCacheResult, GenerateBatchReq,
     GenerateReq, PingReq, Pong, Rejected, RequestOutput, ScoreAbortReq, ScoreReq, ScoreResult, ShutdownReq,
+    WeightGroupReq, WeightUpdateReq,
 )
 from redraft.protocol.server_args import ServerArgs
 
@@ -274,6 +275,9 @@ class EngineClient:
         # After a weight update (server/rl_api.py): why a restart must not happen (the served weights cannot be
         # loaded again), else None; a restart loads what `args` says, kept up to date by `weights_changed`.
         self.restart_refusal: str | None = None
+        # weight loads and group joins in flight: the engine loop blocks in them (a trainer may take minutes to
+        # join or send), so its silence then is no hang (_check_heartbeat)
+        self.weight_ops = 0
         self.refused: WeightsLost | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -498,7 +502,7 @@ class EngineClient:
         killed: the watchdog then fails its requests and restarts it as after a crash."""
         silent = time.monotonic() - self.last_heard
         if (not self.alive or self.closing or self.hung or self.proc is None or not self.proc.is_alive()
-                or silent <= self.heartbeat_timeout):
+                or silent <= self.heartbeat_timeout or self.weight_ops):
             return
         log.error("the engine sent nothing for %.0fs (--engine-heartbeat-timeout %g): killing it", silent,
                   self.heartbeat_timeout)
@@ -641,7 +645,13 @@ class EngineClient:
     async def control(self, msg: Any, timeout: float | None = None) -> ControlResult:
         """A training control message (protocol/messages.py; server/rl_api.py); no timeout by default: an update
         waits for the running requests, a broadcast for the trainer."""
-        return await self._request(msg, timeout)
+        blocking = isinstance(msg, (WeightUpdateReq, WeightGroupReq))
+        self.weight_ops += blocking
+        try:
+            return await self._request(msg, timeout)
+        finally:
+            self.weight_ops -= blocking
+            self.last_heard = max(self.last_heard, time.monotonic()) if blocking else self.last_heard
 
     def weights_changed(self, data: dict[str, Any]) -> None:
         """An update succeeded: what the routes report, and what a restarted engine must load (or that it must

@@ -47,14 +47,15 @@ class Trainer:
     broadcasts `names` of `checkpoint` `rounds` times; `next_round()` after the engine answered each round."""
 
     def __init__(self, checkpoint: Path, names: list[str], tmp: Path, *, world_size: int = 2,
-                 group: str = "weight_update_group", flattened: bool = False, rounds: int = 1):
+                 group: str = "weight_update_group", flattened: bool = False, rounds: int = 1, delay: float = 0.0):
         self.port, self.group, self.world_size = free_port(), group, world_size
         names_file = tmp / f"names-{self.port}.json"
         names_file.write_text(json.dumps(names))
         cmd = [sys.executable, str(TRAINER), "--port", str(self.port), "--world-size", str(world_size), "--group",
                group, "--checkpoint", str(checkpoint), "--names", str(names_file), "--rounds", str(rounds)]
         self.log = tmp / f"trainer-{self.port}.log"
-        self.proc = subprocess.Popen(cmd + (["--flattened"] if flattened else []), stdin=subprocess.PIPE,
+        cmd += ["--delay", str(delay)] + (["--flattened"] if flattened else [])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE,
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
 
     def init_payload(self, backend: str = "gloo") -> dict:

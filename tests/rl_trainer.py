@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="send the list this many times (one update each)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--device", default="cpu", help="where the sent tensors live (cuda:N for nccl)")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before joining (a slow trainer)")
     a = p.parse_args()
+    time.sleep(a.delay)
     if a.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(a.device))
     tensors = {n: t.to(a.device) for n, t in load_file(f"{a.checkpoint}/model.safetensors").items()}

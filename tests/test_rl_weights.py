@@ -288,3 +288,22 @@ def test_under_tensor_parallelism_every_rank_loads_or_receives_its_shard(checkpo
         assert c.post("/destroy_weights_update_group", json={}).json()["success"] is True
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_a_slow_trainer_is_no_engine_hang(checkpoints, expected, tmp_path) -> None:
+    """The engine loop blocks while it joins a trainer's group and receives its tensors: silent longer than
+    --engine-heartbeat-timeout, it must not be taken for hung and killed."""
+    srv = RedraftServer(checkpoints["A"], tmp_path, ["--engine-heartbeat-timeout", "2"]).start()
+    try:
+        c = httpx.Client(base_url=srv.url, timeout=120, trust_env=False)
+        pid = srv.engine_pid()
+        names, dtypes, shapes = tensor_specs(checkpoints["C"])
+        trainer = Trainer(checkpoints["C"], names, tmp_path, delay=5.0)
+        r = c.post("/init_weights_update_group", json=trainer.init_payload())
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert _distributed(c, trainer, names, dtypes, shapes).status_code == 200
+        trainer.finish()
+        assert srv.engine_pid() == pid and _ids(c)[0] == expected["C"]
+    finally:
+        srv.stop()
