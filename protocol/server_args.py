@@ -194,6 +194,15 @@ class ServerArgs:
     max_request_items: int = _opt("JSON objects one request body may hold (messages, tool calls, content parts, "
                                   "input items ...); more: 400 too_many_items", cli="serve", default=16384,
                                   type=int, group="limits")
+    max_forwards_per_token: int = _opt(
+        "a request's denoising forwards at most this many per position of the blocks its output may span; "
+        "spent, it finishes with `length` and a message naming this flag. The default, 1024 per 32-token block, "
+        "only ever stops requests whose dials (max_post_steps, steps, max_steps_per_block) were raised; 0: no "
+        "budget", default=32, type=int, group="limits")
+    max_trace_changes: int = _opt(
+        "recorded token changes per request behind return_step_maps and --trace-edits; past it, only first "
+        "placements are kept and step_maps carries `truncated` (docs/denoise.md)", default=65536, type=int,
+        group="limits")
     allowed_hosts: tuple[str, ...] = _opt(
         "Host header names this server answers (comma-separated or repeated; `*` any, `*.example.com` a domain; IP "
         "literals always); default: the loopback names when --host is a loopback address, else any name",
@@ -220,9 +229,11 @@ class ServerArgs:
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for name in ("max_connections", "header_timeout", "body_timeout", "keep_alive_timeout", "max_request_items",
-                     "max_stream_backlog", "engine_heartbeat_timeout"):
+                     "max_stream_backlog", "engine_heartbeat_timeout", "max_trace_changes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_forwards_per_token < 0:
+            raise ValueError(f"max_forwards_per_token must be 0 or positive, got {self.max_forwards_per_token}")
         if self.send_buffer_bytes < 0:
             raise ValueError(f"send_buffer_bytes must be 0 or positive, got {self.send_buffer_bytes}")
         self.request_defaults()  # range checks

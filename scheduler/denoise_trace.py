@@ -12,6 +12,11 @@ window before and after each forward. It keeps
     pending  (stream_denoise) the raw event of each forward not yet sent; the engine core drains them into
              its RequestOutput (`RequestOutput.denoise`), the HTTP side adds the text (server/denoise.py)
 
+The trace is bounded: past `max_changes` recorded changes (--max-trace-changes) only a position's first
+placement is still recorded (at most one per output position, so step maps can still place every token); every
+later edit is left out and counted, and step_maps says so (`truncated`: the first forward that lost one, and how
+many). The raw events of stream_denoise leave with each message and are bounded by the stream's backlog limit.
+
 A preempted block starts over from its start: `mark` / `rollback` drop what its forwards recorded (events
 already sent stay sent; the block's forwards are then numbered again from where it began).
 """
@@ -19,6 +24,8 @@ already sent stay sent; the block's forwards are then numbered again from where 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from redraft.protocol.server_args import ServerArgs
 
 MASK_STATE, DRAFTED, EDITED, KEPT = "mask", "drafted", "edited", "kept"
 
@@ -36,6 +43,9 @@ class DenoiseTrace:
     # logprob_mode "placement": beside each change, the log-probability of its new token in that forward
     change_logprobs: list[float | None] | None = None
     _placed: set[int] = field(default_factory=set)  # absolute positions that hold (or held) a token
+    max_changes: int = ServerArgs.max_trace_changes  # about 6 MB of records for one request
+    left_out: int = 0  # changes past max_changes not recorded
+    left_out_from: int = 0  # the first forward that had one left out (0: none)
 
     def record(self, forward: int, block: int, start: int, old: list[int], new: list[int],
                confidence: list[float] | None, logprobs: list[float] | None = None) -> None:
@@ -63,6 +73,11 @@ class DenoiseTrace:
             self.pending.append(self._event(forward, lo, start, old, new, states, confidence))
 
     def _change(self, forward: int, pos: int, old: int, new: int, logprob: float | None = None) -> None:
+        first_placement = old == self.mask_id and new != self.mask_id and pos not in self._placed
+        if len(self.changes) >= self.max_changes and not first_placement:
+            self.left_out += 1
+            self.left_out_from = self.left_out_from or forward
+            return
         self.changes.append((forward, pos - self.prompt_len, old, new))
         if self.change_logprobs is not None:
             self.change_logprobs.append(logprob)
@@ -122,4 +137,8 @@ class DenoiseTrace:
         first = self.prompt_len // block_size
         last = (self.prompt_len + n_out - 1) // block_size if n_out else first - 1
         blocks = [self.blocks.get(b, [0, 0]) for b in range(first, last + 1)]
-        return {"placed": placed, "edits": edits, "blocks": blocks, "mask_id": self.mask_id}
+        maps = {"placed": placed, "edits": edits, "blocks": blocks, "mask_id": self.mask_id}
+        if self.left_out:  # the cap was met: the edits from this forward on are incomplete
+            maps["truncated"] = {"from_forward": self.left_out_from, "edits_left_out": self.left_out,
+                                 "max_trace_changes": self.max_changes}
+        return maps

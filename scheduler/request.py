@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from redraft.protocol.sampling_params import BLOCK_SIZE, ResolvedParams
+from redraft.protocol.server_args import ServerArgs
 from redraft.scheduler.denoise_trace import DenoiseTrace
 from redraft.scheduler.radix_cache import RadixNode, blocks_through
 
@@ -186,13 +187,18 @@ class Request(RequestInputs):
 
     def __init__(self, rid: str, prompt_ids: list[int] | tuple[int, ...], params: ResolvedParams, mask_id: int,
                  eos_id: int | frozenset[int], block_size: int = BLOCK_SIZE, *, trace_edits: bool = False,
-                 constraint: object | None = None):
+                 constraint: object | None = None, max_trace_changes: int = ServerArgs.max_trace_changes,
+                 max_forwards_per_token: int = 0):
         super().__init__(rid, tuple(prompt_ids), params, mask_id, eos_id, block_size)
+        # the forward budget (--max-forwards-per-token; 0: none): a multiple of the positions of the blocks its
+        # output may span
+        self.forward_budget = max_forwards_per_token * (self.last_block - self.first_block + 1) * block_size
         self.trace_edits = trace_edits  # meta_info.edit_trace (the server's --trace-edits)
         traced = trace_edits or params.stream_denoise or params.return_step_maps
         trace = DenoiseTrace(self.prompt_len, mask_id, self.prompt_len + params.max_new_tokens, block_size,
                              events=params.stream_denoise,
-                             change_logprobs=[] if params.placement_logprobs else None) if traced else None
+                             change_logprobs=[] if params.placement_logprobs else None,
+                             max_changes=max_trace_changes) if traced else None
         self.state = DecodeState(list(self.prompt_ids), self.first_block, self.first_block, trace=trace,
                                  constraint=constraint)
         self.book = Bookkeeping()
@@ -343,6 +349,13 @@ class Request(RequestInputs):
 
     def advance(self) -> None:
         self._begin_block(self.state.active_block + 1)
+
+    def out_of_forwards(self) -> FinishReason | None:
+        """A `length` finish once the request has spent its forward budget, else None."""
+        if not self.forward_budget or self.state.stats.steps < self.forward_budget:
+            return None
+        return FinishReason("length", message=f"the request used its {self.forward_budget} denoising forwards "
+                                              "(--max-forwards-per-token x max_new_tokens, by blocks)")
 
     def finish(self, reason: FinishReason, keep_tokens: int | None = None) -> None:
         """Finished as `reason`; `keep_tokens` cuts the output (an abort that names where the answer ends)."""

@@ -262,6 +262,8 @@ class Scheduler:
         req.book.exact_blocks = end.exact_blocks
         if end.ended:
             self._end_block(req)
+        if not req.finished and (spent := req.out_of_forwards()) is not None:  # the committed blocks are its answer
+            self._finish(req, spent)
 
     @staticmethod
     def _mark_prefilled(req: Request, through_block: int) -> None:

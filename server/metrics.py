@@ -56,6 +56,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BLOCK_GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BLOCK_STEPS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+REQUEST_FORWARDS_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 TPF_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 MBE_WINDOW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8)  # every window size a request can ask for (mbe_window 1..8)
 
@@ -190,6 +191,8 @@ class ServerMetrics:
                                      BLOCK_STEPS_BUCKETS)
         self.mbe_window = histogram("redraft:mbe_window", "Multi-block-editing window (open blocks) of finished "
                                     "requests; 1 = the official single-block loop.", MBE_WINDOW_BUCKETS)
+        self.request_forwards = histogram("redraft:request_forwards", "Denoising forwards a finished request took.",
+                                          REQUEST_FORWARDS_BUCKETS)
         self.tokens_per_forward = histogram("redraft:tokens_per_forward",
                                             "Output tokens per forward of a finished request.", TPF_BUCKETS)
 
@@ -204,7 +207,8 @@ class ServerMetrics:
                                self.tokens_committed, self.blocks_committed, self.edits, self.mbe_edits,
                                self.mbe_window, self.ttft, self.itl,
                                self.constrained, self.grammar_rejected, self.grammar_remasked, self.grammar_forced,
-                               self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward):
+                               self.inter_block, self.e2e, self.queue_time, self.block_steps, self.tokens_per_forward,
+                               self.request_forwards):
                     metric.labels(self.model_name, mode, domain)
                 for op in ("delete", "insert"):
                     self.structural_edits.labels(self.model_name, mode, domain, op)
@@ -320,6 +324,7 @@ class ServerMetrics:
             self.num_aborted.labels(*labels).inc()
         elif finish == "error":
             self.num_failed.labels(*labels).inc()
+        self.request_forwards.labels(*labels).observe(steps)
         if steps and completion:
             self.tokens_per_forward.labels(*labels).observe(completion / steps)
         if finish not in ("abort", "error"):  # (a latency only for requests that ran to their end)

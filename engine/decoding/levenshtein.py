@@ -34,6 +34,7 @@ __all__ = ["LevenshteinDecoder", "LevenshteinSlots", "StructuralIds", "levenshte
 
 ANTI_LOOP_ROUNDS = 5  # step 11: at most this many next-best escapes per step
 _SEEN_CHUNK = 16  # `seen` grows by this many entries when a slot fills it
+_SHRINK_ABOVE = 4 * _SEEN_CHUNK  # `seen` longer than this shrinks back when a block begins (LevenshteinSlots._shrink)
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,7 @@ class LevenshteinSlots:
         self.post[slot] = 0
         self.finalized[slot] = n == 0
         self.seen_len[slot] = 0
+        self._shrink()
         self.steps[slot], self.max_post_steps[slot] = steps, max_post_steps
         self.max_steps_per_block[slot] = max_steps_per_block
 
@@ -273,6 +275,16 @@ class LevenshteinSlots:
         old = self.seen[slots, where]  # [N, B]
         self.seen[slots, where] = torch.where(append[:, None], y, old)
         self.seen_len[slots] += append.long()
+
+    def _shrink(self) -> None:
+        """Give back `seen` rows a long block grew (4096 steps: [S, 4096, B] ids) once no slot holds that many:
+        checked when a block begins and only while `seen` is over _SHRINK_ABOVE rows (one device read then)."""
+        if self.seen.shape[1] <= _SHRINK_ABOVE:
+            return
+        needed = int(self.seen_len.max())
+        rows = max(_SEEN_CHUNK, -(-needed // _SEEN_CHUNK) * _SEEN_CHUNK)
+        if rows < self.seen.shape[1]:
+            self.seen = self.seen[:, :rows].clone()
 
     def _reserve(self, entries: int) -> None:
         """Room for `entries` history rows per slot (grown in chunks: a block's steps are few in practice)."""

@@ -184,7 +184,8 @@ class EngineCore:
             resolved = replace(resolved, seed=self._seeds.getrandbits(62))
         constraint = self._constraint(rid, len(ids), resolved) if resolved.grammar is not None else None
         return Request(rid, ids, resolved, mask_id, self.tokenizer.eos_token_ids, trace_edits=self.args.trace_edits,
-                       constraint=constraint)
+                       constraint=constraint, max_trace_changes=self.args.max_trace_changes,
+                       max_forwards_per_token=self.args.max_forwards_per_token)
 
     def _constraint(self, rid: str, prompt_len: int, params: ResolvedParams) -> Constraint:
         """The grammar state of a constrained request; RequestError naming the field when it does not compile."""
