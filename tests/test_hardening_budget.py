@@ -35,6 +35,7 @@ def _generate(c: httpx.Client, params: dict, prompt: list[int] = PROMPT) -> tupl
     return r.json(), time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_raised_dials_stop_at_the_forward_budget_and_bystanders_are_unchanged(srv) -> None:
     with httpx.Client(base_url=srv.url, timeout=300, trust_env=False) as c:
         reference, _ = _generate(c, GREEDY, PROMPT[:20])

@@ -68,6 +68,7 @@ def _error_of(raw: bytes) -> dict:
     return {"status": int(head.split()[1]), **json.loads(body)["error"]}
 
 
+@pytest.mark.slow
 def test_stalled_connections_are_closed_and_the_cap_refuses_clearly(srv) -> None:
     half_headers = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl"
     half_body = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

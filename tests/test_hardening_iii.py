@@ -49,6 +49,7 @@ def test_a_plain_rid_is_served_and_echoed(http) -> None:
     assert r.json()["meta_info"]["id"] == "job-7.a:b_c"
 
 
+@pytest.mark.slow
 def test_huge_and_multiline_strings_reach_the_log_as_one_bounded_line(srv, http) -> None:
     before = _log_size(srv)
     with Bystanders(srv.url, n=1) as bystanders:
@@ -222,6 +223,7 @@ class LiveProbe:
 LIVE_BOUND_S = 1.5  # /live under eight 6 MiB bodies at once (was 7.8-9.7 s); alone it answers in milliseconds
 
 
+@pytest.mark.slow
 def test_huge_item_counts_are_refused_naming_the_limit(http) -> None:
     for route, body in (("/v1/chat/completions", _tool_call_chat(80_000)), ("/v1/responses",
                                                                             _function_call_items(80_000))):
@@ -236,6 +238,7 @@ def test_huge_item_counts_are_refused_naming_the_limit(http) -> None:
     assert http.post("/v1/chat/completions", json=_tool_call_chat(16)).status_code == 200
 
 
+@pytest.mark.slow
 def test_large_bodies_leave_live_and_a_bystander_stream_responsive(srv) -> None:
     import concurrent.futures as cf
     import json as _json

@@ -25,6 +25,7 @@ def srv(request, tiny_checkpoint, tmp_path_factory) -> RedraftServer:
     return server.start()
 
 
+@pytest.mark.slow
 def test_step_maps_stop_at_the_cap_with_a_marker_and_tokens_are_unchanged(srv) -> None:
     body = {"input_ids": list(range(40, 75)), "sampling_params": {"max_new_tokens": 96, "mode": "Q"}}
     with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as c:
