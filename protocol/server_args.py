@@ -200,7 +200,7 @@ class ServerArgs:
         "only ever stops requests whose dials (max_post_steps, steps, max_steps_per_block) were raised; 0: no "
         "budget", default=32, type=int, group="limits")
     max_trace_changes: int = _opt(
-        "recorded token changes per request behind return_step_maps and --trace-edits; past it, only first "
+        "recorded token changes per request behind return_step_maps and edit_trace; past it, only first "
         "placements are kept and step_maps carries `truncated` (docs/denoise.md)", default=65536, type=int,
         group="limits")
     allowed_hosts: tuple[str, ...] = _opt(

@@ -120,7 +120,10 @@ class DepthCheckedRequest(Request):
         def parse_and_validate() -> tuple[Any, list]:
             return body_field.validate(parse_checked(body, max_items), loc=("body",))
 
-        value, errors = await asyncio.get_running_loop().run_in_executor(_PARSER, parse_and_validate)
+        try:
+            value, errors = await asyncio.get_running_loop().run_in_executor(_PARSER, parse_and_validate)
+        except (ValueError, RecursionError):
+            return  # not JSON (or too deep for Python's parser): FastAPI's own read refuses it as a 400
         if errors:
             raise RequestValidationError(errors, body=None)
         self._json = value

@@ -26,7 +26,7 @@ class _Client:
     def __init__(self) -> None:
         self.info = {"max_model_len": 128, "vocab_size": 64, "model_path": "/models/tiny"}
         self.on_submit, self.on_message, self.on_down = [], [], []
-        self.failed, self.alive = False, True
+        self.failed, self.alive, self.hung = False, True, False
 
 
 def _state(**kwargs) -> ServerState:
