@@ -131,12 +131,13 @@ async def control(state: ServerState, msg: Any = None, **fields: Any) -> Control
     return result
 
 
-def _answer(result: ControlResult, **extra: Any) -> JSONResponse:
+def _answer(result: ControlResult, code: str = "weight_update_failed", param: str | None = None,
+            **extra: Any) -> JSONResponse:
     """SGLang's answer: {"success", "message", ...}, 200 or 400; a 400 also carries the refusal in OpenAI's shape
     (`error`, as every refusal of this server: docs/rl.md)."""
     body = {"success": result.success, "message": result.message, **extra}
     if not result.success:
-        body["error"] = RequestError(result.message, code="weight_update_failed").body()["error"]
+        body["error"] = RequestError(result.message, code=code, param=param).body()["error"]
     return JSONResponse(body, status_code=200 if result.success else 400)
 
 
@@ -249,10 +250,15 @@ async def resume_memory_occupation(state: State, body: MemoryOccupationBody | No
 
 
 async def _memory(state: ServerState, op: str, body: MemoryOccupationBody | None) -> Response:
+    """{"success", "message"} as SGLang's newer servers answer (its older ones answer null; the clients read
+    neither), with what stays resident per tag; a 400 while requests run, or for an unknown tag."""
     result = await control(state, op=op, tags=body.tags if body else None)
-    if not result.success:
-        raise RequestError(result.message, param="tags")
-    return JSONResponse(None)  # SGLang answers null
+    if result.success:
+        log.info("%s: %s", op, result.message)
+        return _answer(result, released=result.data["released"], resident_bytes=result.data["resident_bytes"])
+    log.warning("%s refused: %s", op, result.message)
+    param = result.data.get("param")
+    return _answer(result, code="invalid_tags" if param else "server_busy", param=param)
 
 
 # ---- health and load -----------------------------------------------------------------------------------------

@@ -233,8 +233,9 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        """Whether `step` would do something now (a paused engine's queued requests wait: docs/rl.md)."""
-        return self.scheduler.can_progress() or bool(self.scoring.jobs)
+        """Whether `step` would do something now (a paused engine's queued requests wait, and so do likelihood jobs
+        while memory is released: docs/rl.md)."""
+        return self.scheduler.can_progress() or (bool(self.scoring.jobs) and self.weights.serving())
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run (one forward for the whole batch and its decoding step) -> update ->
@@ -266,7 +267,7 @@ class EngineCore:
         self.scheduler.update(items, out)
 
     def _score_chunk(self, decoding: bool) -> None:
-        if self.scoring.jobs:
+        if self.scoring.jobs and self.weights.serving():
             self.overlap.settle()  # (none was started: likelihood chunks never run beside a forward)
             self.scoring.advance(decoding=decoding, faults=self.faults)
 
@@ -463,7 +464,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         return {**self.scheduler.stats(), "num_score_jobs": len(self.scoring.jobs),
-                "num_request_failures": self.num_request_failures}
+                "num_request_failures": self.num_request_failures, **self.weights.memory_stats()}
 
     def info(self) -> dict[str, Any]:
         """What the HTTP process shows about this engine (/get_server_info, /v1/models, startup log)."""

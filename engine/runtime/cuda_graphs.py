@@ -163,6 +163,19 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.runner.device)
         log.info("captured CUDA graphs for the denoising step at batch sizes %s", self.buckets)
 
+    def static_bytes(self) -> int:
+        """Bytes of the static input and logits buffers (the graphs' private pool not counted)."""
+        bufs = (self.input_ids, self.positions, self.slot_mapping, self.page_tables, self.kv_lens, self.q_starts,
+                self.q_lens, self.cu_q, self.logits)
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+    def reset(self) -> None:
+        """Drop the graphs (their memory pool goes with them): /release_memory_occupation
+        (engine/runtime/memory_occupation.py); the runner then builds a new DecodeGraphs."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     @torch.inference_mode()
     def run(self, batch: "ForwardBatch") -> torch.Tensor:
         """Logits [N, B, V] of one denoising step; valid until the next call (graph outputs are reused)."""

@@ -96,6 +96,22 @@ class Engine:
         rows = self.core.score_variants(seqs, plan.variants)
         return fill_terms(plan, [[lp for lp, _ in row] for row in rows])
 
+    # ---- memory (docs/rl.md) --------------------------------------------------------------------------
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> dict:
+        """Free the device memory of `tags` (weights, kv_cache, cuda_graph; none: all), as the HTTP route does:
+        {"success", "message", "released", "resident_bytes"}; refused while requests run."""
+        return self._memory("release_memory", tags)
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> dict:
+        return self._memory("resume_memory", tags)
+
+    def _memory(self, op: str, tags: Sequence[str] | None) -> dict:
+        from redraft.protocol.messages import GenerationControlReq
+
+        result = self.core.weights.handle(GenerationControlReq(uuid.uuid4().hex, op, tags=list(tags or [])))[0]
+        return {"success": result.success, "message": result.message,
+                **{k: v for k, v in result.data.items() if k in ("released", "resident_bytes")}}
+
     def shutdown(self) -> None:
         self.core.shutdown()
 
@@ -121,6 +137,8 @@ class Engine:
     def _run(self, id_lists: list[list[int]], params: list[SamplingParams],
              on_events: Callable[[int, list[dict]], None] | None = None) -> list[OutputStream]:
         core = self.core
+        if not core.weights.serving():
+            raise RuntimeError("the weights or the KV cache are released: resume_memory_occupation first")
         streams: dict[str, OutputStream] = {}
         try:
             rids = [uuid.uuid4().hex for _ in id_lists]

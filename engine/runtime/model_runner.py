@@ -70,17 +70,20 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs when the denoising step runs as CUDA graphs
         self.graph_error: str | None = None  # why capture failed (the step then runs eagerly)
         if cuda_graph_max_bs > 0:
-            self._capture_graphs(cuda_graph_max_bs)
+            self.build_graphs(cuda_graph_max_bs)
 
-    def _capture_graphs(self, max_bs: int) -> None:
-        if self.device.type != "cuda" or self.model.kernel_backend != "triton":
+    def build_graphs(self, max_bs: int, capture: bool = True) -> None:
+        """The denoising step's static buffers and, with `capture`, its CUDA graphs (at start-up, and again on
+        /resume_memory_occupation: engine/runtime/memory_occupation.py); capture=False (CPU tests) runs the same
+        buffers eagerly. A capture that fails leaves the step eager, saying why in `graph_error`."""
+        if capture and (self.device.type != "cuda" or self.model.kernel_backend != "triton"):
             raise ValueError("CUDA graphs need device='cuda' and kernel_backend='triton'")
         from redraft.engine.runtime.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self, max_bs)
+        graphs = DecodeGraphs(self, max_bs, capture)
         try:
             graphs.capture()
-            self.graphs = graphs
+            self.graphs, self.graph_error = graphs, None
         except Exception as exc:  # noqa: BLE001 - serve eagerly rather than not at all
             self.graph_error = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture failed, the denoising step runs eagerly: %s", self.graph_error)

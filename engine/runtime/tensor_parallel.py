@@ -193,6 +193,10 @@ class Workers:
         does its own share."""
         dist.broadcast_object_list([("weights", command, None)], src=0)
 
+    def memory(self, op: str, tags: list[str]) -> None:
+        """Announce a memory release or resume (engine/runtime/memory_occupation.py); rank 0 then does its own."""
+        dist.broadcast_object_list([("memory", op, tags)], src=0)
+
     def kill(self) -> None:
         """None may outlive a failed start, or the interpreter."""
         for p in self.procs:
@@ -217,6 +221,7 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
     shield_from_group_signals(die_with_parent)
     from redraft.engine.model.loader import load_model
     from redraft.engine.text.model_path import resolve_model_path
+    from redraft.engine.runtime.memory_occupation import RankMemory
     from redraft.engine.runtime.model_runner import ModelRunner
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -236,6 +241,7 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
     dist.broadcast_object_list(box, src=0)
     num_pages, num_slots = box[0]
     runner = ModelRunner(model, num_pages, num_slots, 0, 0, device)
+    memory = RankMemory(model, runner)  # /release_memory_occupation's share of this rank
     log_rank_memory(rank, model, runner.k_cache)
     hidden = torch.empty(0)
     groups: dict[str, Any] = {}  # the trainers' process groups this rank joined (docs/rl.md)
@@ -249,6 +255,10 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
                 from redraft.engine.model.weight_sync import rank_command
 
                 rank_command(first, model, cfg, layout, device, groups)
+            elif kind == "memory" and first == "release_memory":
+                memory.release(second)
+            elif kind == "memory":
+                memory.resume(second)
             elif kind == "logits":  # rows of the last forward's hidden states; the gather is lm_head's hook
                 model.logits(hidden, None if first is None else first.to(device))
             else:

@@ -12,6 +12,9 @@ Semantics (SGLang's):
   version such a request ran on). An update while paused runs at once.
 - Every update bumps the radix cache's version (scheduler/radix_cache.py): K/V computed under older weights is
   never matched again; flush_cache (default) frees it at once.
+- Memory release (SGLang's /release_memory_occupation): only when idle; while the weights or the KV cache are
+  released, new requests and likelihood jobs wait in the queue and weight updates are refused; what one rank frees
+  is engine/runtime/memory_occupation.py's.
 - Under tensor parallelism every rank takes part: rank 0 announces the command to the other ranks
   (engine/model/tensor_parallel.py), then all of them load, or join the group and receive, each its shard.
 """
@@ -30,13 +33,13 @@ import torch
 from redraft.engine.model import weight_sync
 from redraft.engine.model.loader import CheckpointError, load_weights
 from redraft.engine.model.sharding import RankLayout
+from redraft.engine.runtime.memory_occupation import RankMemory, parse_tags
 from redraft.protocol.messages import ControlResult, GenerationControlReq, WeightGroupReq, WeightUpdateReq
 from redraft.scheduler.request import FinishReason
 
 log = logging.getLogger("redraft.weight_update")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 ABORT_BEFORE_PREFILL = "Abort before prefill"  # SGLang's message: AReaL resends such a request as it was
 
 
@@ -59,7 +62,8 @@ class WeightControl:
         self.header = weight_sync.checkpoint_header(self.serving_path) if self.recoverable else None
         self.pending: deque[WeightUpdateReq] = deque()
         self.paused: str | None = None
-        self.released: set[str] = set()
+        self.memory = RankMemory(core.model, core.runner)  # this rank's weights, KV cache, CUDA graphs
+        self.resident = self.memory.resident_bytes()  # per tag, as of the last release or resume
         self.groups: dict[str, Any] = {}
         self.versions_seen: dict[str, list[str]] = {}  # rid -> versions, for requests that ran on more than one
         self.ran_on: dict[str, str] = {}  # rid -> version, for requests ended before an update they report after
@@ -84,8 +88,12 @@ class WeightControl:
         while self.pending and self._may_update():
             out.append(self._run(self.pending.popleft()))
         if not self.pending:
-            self.core.scheduler.hold_admission = self.paused is not None
+            self.core.scheduler.hold_admission = self._holding()
         return out
+
+    def _holding(self) -> bool:
+        """Whether new requests wait: an update is queued, generation is paused, or memory is released."""
+        return bool(self.pending) or self.paused is not None or not self.memory.serving()
 
     def request_meta(self, rid: str) -> dict[str, Any]:
         """What a finished request's meta_info says about the weights it ran on."""
@@ -121,6 +129,9 @@ class WeightControl:
     def _check(self, msg: WeightUpdateReq) -> str | None:
         """Why this update cannot run (nothing is touched then), or None."""
         core = self.core
+        if msg.source != "version" and "weights" in self.memory.released:
+            return ("the weights are released (/release_memory_occupation): resume them first "
+                    "(/resume_memory_occupation with tags [\"weights\"]). The weights are unchanged.")
         if msg.source == "disk":
             if msg.load_format not in (None, "auto", "safetensors"):
                 return f"load_format {msg.load_format!r} is not supported from disk: use auto or safetensors"
@@ -298,7 +309,7 @@ class WeightControl:
         if msg.op == "continue":
             self.paused = None
             sched.frozen = False
-            sched.hold_admission = bool(self.pending)
+            sched.hold_admission = self._holding()
             return ControlResult(msg.token, True, "Generation continued successfully.")
         if msg.op == "abort_all":
             return ControlResult(msg.token, True, "", {"aborted": self._abort_all()})
@@ -315,18 +326,55 @@ class WeightControl:
             self.ran_on[req.rid] = self.version
         return len(ended)
 
+    # ---- memory ------------------------------------------------------------------------------------
+    def serving(self) -> bool:
+        """Whether forwards may run (not while the weights or the KV cache are released)."""
+        return self.memory.serving()
+
     def _memory(self, msg: GenerationControlReq) -> ControlResult:
-        """Validated; on CPU there is no device memory to give back, so nothing is freed (docs/rl.md)."""
-        tags = list(msg.tags) if msg.tags is not None else list(MEMORY_TAGS)
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            return ControlResult(msg.token, False, f"unknown tag {bad[0]!r}; tags are {', '.join(MEMORY_TAGS)}")
-        if msg.op == "release_memory":
-            if self.core.scheduler.running:
-                return ControlResult(msg.token, False, "requests are running: pause generation first")
-            self.released |= set(tags)
+        """Release or resume device memory on every rank (engine/runtime/memory_occupation.py); a release only
+        when idle (SGLang asserts it), the radix cache flushed with the KV cache it points into."""
+        try:
+            tags = parse_tags(msg.tags)
+        except ValueError as exc:
+            return ControlResult(msg.token, False, str(exc), {"param": "tags"})
+        release = msg.op == "release_memory"
+        if release:
+            busy = self._memory_busy("kv_cache" in tags)
+            if busy is not None:
+                return ControlResult(msg.token, False, busy)
+        t0 = time.perf_counter()
+        self._tell_ranks_memory(msg.op, tags)
+        if release:
+            self.memory.release(tags)
         else:
-            self.released -= set(tags)
-        device = torch.device(self.core.args.device).type
-        note = "" if device == "cuda" else " (CPU: nothing to release)"
-        return ControlResult(msg.token, True, f"{msg.op} {', '.join(tags)}{note}", {"released": sorted(self.released)})
+            self.memory.resume(tags)
+        self.core.scheduler.hold_admission = self._holding()
+        self.resident = self.memory.resident_bytes()
+        released = sorted(self.memory.released)
+        mib = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.resident.items())
+        text = (f"{'Released' if release else 'Resumed'} {', '.join(tags)} in {time.perf_counter() - t0:.2f}s; "
+                f"resident now: {mib}; released: {', '.join(released) or 'nothing'}.")
+        log.info("memory: %s", text)
+        return ControlResult(msg.token, True, text, {"released": released, "resident_bytes": dict(self.resident)})
+
+    def _memory_busy(self, flush: bool) -> str | None:
+        """Why memory cannot be released now (requests running or about to, likelihood jobs), or None; with
+        `flush` the radix cache is flushed here (its pages are about to be freed)."""
+        core, sched = self.core, self.core.scheduler
+        if sched.running or core.scoring.jobs or self.pending or (sched.waiting and not sched.hold_admission):
+            return ("release_memory_occupation should be called only when the server is idle: requests are "
+                    "running or waiting (pause generation, or wait for them to finish)")
+        core.overlap.settle()
+        if flush and not sched.flush_cache():
+            return "the radix cache could not be flushed (pages still in use): try again once idle"
+        return None
+
+    def memory_stats(self) -> dict[str, Any]:
+        """What /server_info shows: the released tags and each tag's resident bytes on rank 0."""
+        return {"memory_released": sorted(self.memory.released), "memory_resident_bytes": dict(self.resident)}
+
+    def _tell_ranks_memory(self, op: str, tags: list[str]) -> None:
+        workers = self.core._tp_workers
+        if workers is not None:
+            workers.memory(op, tags)
