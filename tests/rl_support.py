@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import httpx
 from safetensors import safe_open
 
 from live_server import free_port
@@ -16,6 +18,8 @@ TRAINER = Path(__file__).with_name("rl_trainer.py")
 SP = {"max_new_tokens": 40, "temperature": 0.0}
 # prompts of whole blocks and a tail: the first is generated (and so cached) before an update in the tests
 PROMPTS = [list(range(5, 45)), list(range(60, 75)), [7, 8, 9] * 12]
+PROMPT = list(range(5, 45))
+LONG = {"max_new_tokens": 256, "temperature": 0.0, "ignore_eos": True}  # seconds of work on a CPU
 
 
 def fresh_ids(path: Path, prompts: list[list[int]] = PROMPTS, sp: dict = SP, dtype: str = "float32"
@@ -72,3 +76,33 @@ class Trainer:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+
+
+class Streamed:
+    """One streamed /generate in a thread: `started` once its first block arrived; `last` is its final chunk."""
+
+    def __init__(self, url: str, sp: dict = LONG, prompt: list[int] = PROMPT):
+        self.started, self.done = threading.Event(), threading.Event()
+        self.last: dict | None = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, args=(url, sp, prompt), daemon=True).start()
+        assert self.started.wait(60), "the request never committed a block"
+
+    def _run(self, url: str, sp: dict, prompt: list[int]) -> None:
+        try:
+            with httpx.stream("POST", url + "/generate", json={"input_ids": prompt, "sampling_params": sp,
+                                                               "stream": True}, timeout=300, trust_env=False) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        self.last = json.loads(line[6:])
+                        self.started.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by result()
+            self.error = exc
+        finally:
+            self.started.set()
+            self.done.set()
+
+    def result(self, timeout: float = 120) -> dict:
+        assert self.done.wait(timeout), "the request did not finish"
+        assert self.error is None and self.last is not None, self.error
+        return self.last

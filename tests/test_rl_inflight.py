@@ -5,7 +5,6 @@ versions in answers that change only at updates, monotonic under concurrent boun
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,43 +14,9 @@ import httpx
 import pytest
 
 from live_server import RedraftServer
-from rl_support import fresh_ids
+from rl_support import LONG, PROMPT, Streamed, fresh_ids
 
 pytestmark = pytest.mark.slow
-
-PROMPT = list(range(5, 45))
-LONG = {"max_new_tokens": 256, "temperature": 0.0, "ignore_eos": True}  # seconds of work on a CPU
-
-
-class Streamed:
-    """One streamed /generate in a thread: `started` once its first block arrived; `last` is its final chunk."""
-
-    def __init__(self, url: str, sp: dict = LONG, prompt: list[int] = PROMPT):
-        self.started, self.done = threading.Event(), threading.Event()
-        self.last: dict | None = None
-        self.error: BaseException | None = None
-        threading.Thread(target=self._run, args=(url, sp, prompt), daemon=True).start()
-        assert self.started.wait(60), "the request never committed a block"
-
-    def _run(self, url: str, sp: dict, prompt: list[int]) -> None:
-        try:
-            with httpx.stream("POST", url + "/generate", json={"input_ids": prompt, "sampling_params": sp,
-                                                               "stream": True}, timeout=300, trust_env=False) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        self.last = json.loads(line[6:])
-                        self.started.set()
-        except BaseException as exc:  # noqa: BLE001 - reported by result()
-            self.error = exc
-        finally:
-            self.started.set()
-            self.done.set()
-
-    def result(self, timeout: float = 120) -> dict:
-        assert self.done.wait(timeout), "the request did not finish"
-        assert self.error is None and self.last is not None, self.error
-        return self.last
-
 
 @pytest.fixture(scope="module")
 def ckpts(tiny_checkpoint) -> dict[str, Path]:

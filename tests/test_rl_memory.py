@@ -1,0 +1,99 @@
+"""/release_memory_occupation and /resume_memory_occupation on a live server (docs/rl.md): the engine reports the
+memory freed, answers exactly as before after a round trip (a prompt cached before the release recomputed),
+refuses a release while a request runs, holds requests sent while released until resume, and runs SGLang's RL
+flow: release(all) -> resume(weights) -> update_weights_from_disk -> resume(kv_cache) gives the new checkpoint's
+tokens."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from live_server import RedraftServer
+from rl_support import PROMPTS, SP, Streamed, fresh_ids
+
+pytestmark = pytest.mark.slow
+TAGS = ["cuda_graph", "kv_cache", "weights"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tiny_checkpoint) -> dict[str, Path]:
+    return {"A": tiny_checkpoint(seed=0), "B": tiny_checkpoint(seed=1)}
+
+
+def _ids(c: httpx.Client) -> tuple[list[list[int]], list[dict]]:
+    r = c.post("/generate", json={"input_ids": PROMPTS, "sampling_params": SP})
+    assert r.status_code == 200, r.text
+    return [x["output_ids"] for x in r.json()], [x["meta_info"] for x in r.json()]
+
+
+def _memory(c: httpx.Client, op: str, body: dict | None = None) -> dict:
+    r = c.post(f"/{op}_memory_occupation", json=body if body is not None else {})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    return r.json()
+
+
+def _refusal(r: httpx.Response) -> dict:
+    """SGLang's {"success": false, "message"} and, as every refusal here, OpenAI's `error`: a 400."""
+    body = r.json()
+    assert r.status_code == 400 and body["success"] is False, r.text
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"] == body["message"]
+    return body["error"]
+
+
+def _round_trip(c: httpx.Client, want: list[list[int]]) -> None:
+    """Release everything (the engine says what it freed), resume everything, the same answers."""
+    resident = c.get("/server_info").json()["memory_resident_bytes"]
+    assert resident["weights"] > 0 and resident["kv_cache"] > 0, resident
+    out = _memory(c, "release")
+    assert out["released"] == TAGS and out["resident_bytes"] == dict.fromkeys(resident, 0), out
+    info = c.get("/server_info").json()
+    assert info["memory_released"] == TAGS and set(info["memory_resident_bytes"].values()) == {0}
+    _memory(c, "release", {"tags": ["kv_cache"]})  # released already: harmless
+    out = _memory(c, "resume")
+    assert out["released"] == [] and out["resident_bytes"] == resident, out
+    ids, meta = _ids(c)
+    assert ids == want and meta[0]["cached_tokens"] == 0  # cached before the release: recomputed
+
+
+def _rl_flow(c: httpx.Client, b: Path, want_b: list[list[int]]) -> None:
+    """SGLang's RL order, with a request sent while everything is released: it waits, then runs on B."""
+    _memory(c, "release")
+    waiting = ThreadPoolExecutor(1).submit(c.post, "/generate", json={"input_ids": PROMPTS[0], "sampling_params": SP})
+    r = c.post("/update_weights_from_disk", json={"model_path": str(b), "weight_version": "b"})
+    assert r.status_code == 400 and "resume them first" in r.json()["message"], r.text
+    _memory(c, "resume", {"tags": ["weights"]})
+    time.sleep(1.0)
+    assert not waiting.done(), "a request sent while the KV cache is released must wait for resume"
+    r = c.post("/update_weights_from_disk", json={"model_path": str(b), "weight_version": "b"})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    _memory(c, "resume", {"tags": ["kv_cache"]})  # cuda_graph stays released: the step runs eagerly
+    late = waiting.result(120).json()
+    assert late["output_ids"] == want_b[0] and late["meta_info"]["weight_version"] == "b"
+    assert _ids(c)[0] == want_b
+
+
+def test_release_and_resume_on_a_live_server(ckpts, tmp_path) -> None:
+    want = {k: fresh_ids(p, PROMPTS) for k, p in ckpts.items()}
+    srv = RedraftServer(ckpts["A"], tmp_path, []).start()
+    try:
+        c = httpx.Client(base_url=srv.url, timeout=120, trust_env=False)
+        assert _ids(c)[0] == want["A"] and _ids(c)[1][0]["cached_tokens"] == 32
+        _round_trip(c, want["A"])
+
+        running = Streamed(srv.url)
+        r = c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        err = _refusal(r)
+        assert "idle" in err["message"] and err["code"] == "server_busy"
+        assert c.post("/abort_request", json={"abort_all": True}).status_code == 200
+        running.result()
+        r = c.post("/resume_memory_occupation", json={"tags": ["gpu"]})
+        assert _refusal(r)["param"] == "tags"
+
+        _rl_flow(c, ckpts["B"], want["B"])
+    finally:
+        srv.stop()
