@@ -38,7 +38,28 @@ PRESETS: dict[str, tuple[float, float, int]] = {
 }
 AUTO_SPEED_DOMAINS = frozenset({"code", "math"})
 MODES = ("S", "Q", "auto")
-DECODERS = ("threshold", "levenshtein")
+
+
+@dataclass(frozen=True)
+class DecoderTraits:
+    """What the host side (scheduler/, resolve) must know of a decoding rule, torch-free. The rule's class
+    (engine/decoding/registry.py) declares the same through its `Decoder.reports`; tests/test_architecture.py
+    checks that the two agree."""
+
+    # the rule ends a block only by a forward's own verdict (its `ended` report, Request.apply_step) and counts its
+    # post-steps itself, so the scheduler's pre-forward check (Request.pre_forward) never ends one of its blocks
+    ends_blocks_after_forward: bool = False
+    # the mode of a request that names none at any level (None: the built-in default)
+    default_mode: str | None = None
+
+
+# a request's `decoder` -> its rule's traits; the names are exactly the registered rules (engine/decoding/registry.py)
+DECODER_TRAITS: dict[str, DecoderTraits] = {
+    "threshold": DecoderTraits(),  # LLaDA2.0/2.1's M2T + T2T step
+    # LLaDA2.2's insert/delete step: its own defaults are S's thresholds (the spec's 0.5 / 0.0 / 16)
+    "levenshtein": DecoderTraits(ends_blocks_after_forward=True, default_mode="S"),
+}
+DECODERS = tuple(DECODER_TRAITS)
 MAX_STEPS = 4096  # `steps` and `max_steps_per_block` above this are refused
 MAX_MBE_WINDOW = 8
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
@@ -333,8 +354,9 @@ class ResolvedParams:
     max_steps_per_block: int = 1000
 
     @property
-    def levenshtein(self) -> bool:
-        return self.decoder == "levenshtein"
+    def ends_blocks_after_forward(self) -> bool:
+        """The decoder's trait (DECODER_TRAITS): its blocks end only by a forward's verdict."""
+        return DECODER_TRAITS[self.decoder].ends_blocks_after_forward
 
     @property
     def wants_logprobs(self) -> bool:
@@ -383,8 +405,7 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
 
     decoder = first("decoder")[0]
     named_mode = next((level.mode for level in chain if level.mode is not None), None)
-    # the Levenshtein step's own defaults are S's thresholds (the spec's 0.5 / 0.0 / 16)
-    mode = effective_mode(named_mode or ("S" if decoder == "levenshtein" else BUILTIN_DEFAULTS["mode"]),
+    mode = effective_mode(named_mode or DECODER_TRAITS[decoder].default_mode or BUILTIN_DEFAULTS["mode"],
                           params.domain)
     decoding = _mode_values(chain, mode)
     max_new, from_request = first("max_new_tokens")

@@ -206,8 +206,10 @@ def _add_request_flags(gen: argparse.ArgumentParser) -> None:
                           "terminal, one line per forward otherwise)")
 
 
-def _add_tool_commands(sub: "argparse._SubParsersAction") -> None:
-    """make-tiny, and the client-side tools of redraft.clients: bench and plan."""
+def _add_tool_commands(sub: "argparse._SubParsersAction", command: str | None) -> None:
+    """make-tiny, and the client-side tools of redraft.clients: bench and plan. Their flags come from clients/,
+    imported only when `command` is theirs (or None: every command's flags), so that `redraft serve` never loads
+    clients/ into the HTTP process."""
     tiny = sub.add_parser("make-tiny", help="write a tiny random LLaDA2 checkpoint (Hugging Face layout)")
     tiny.add_argument("out", help="the folder to write (config.json, safetensors, tokenizer)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
@@ -219,31 +221,36 @@ def _add_tool_commands(sub: "argparse._SubParsersAction") -> None:
                       help="a LLaDA2.2 checkpoint: block routing, DELETE/SPLIT tokens, the Levenshtein step's defaults")
     tiny.set_defaults(func=cmd_make_tiny)
 
-    from redraft.clients.bench import add_bench_args
-
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server: latency, tokens/s per domain and mode",
                            description="Drive any OpenAI-compatible server through streaming /v1/chat/completions "
                                        "at fixed concurrencies or Poisson request rates; JSON report and PNG plot. "
                                        "See `python -m redraft.clients.bench --help` for the details.")
-    add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+    if command in (None, "bench"):
+        from redraft.clients.bench import add_bench_args
 
-    from redraft.clients.memory_plan import __doc__ as plan_doc, add_plan_args
+        add_bench_args(bench)
 
     plan = sub.add_parser("plan", help="memory plan: weights and KV-cache tokens per GPU for each tensor-parallel "
                                        "size (from a config; no weights read)",
-                          description=plan_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_plan_args(plan)
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.set_defaults(func=cmd_plan)
+    if command in (None, "plan"):
+        from redraft.clients.memory_plan import __doc__ as plan_doc, add_plan_args
+
+        plan.description = plan_doc
+        add_plan_args(plan)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line (`command` None), or the one that parses `command`: the other commands are listed
+    but the client tools' flags are left out unless it is theirs (`_add_tool_commands`)."""
     parser = argparse.ArgumentParser(prog="redraft", description="Serve LLaDA2.x block-diffusion language models.",
                                      epilog="Each command has its own flags: `redraft serve --help`, "
                                             "`redraft generate --help`, `redraft bench --help`, `redraft plan --help`.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_commands(sub)
-    _add_tool_commands(sub)
+    _add_tool_commands(sub, command)
     # The demo-model commands keep their own parsers (training/); main() hands them the rest of the line.
     sub.add_parser("train-demo", add_help=False,
                    help="train (or resume) the bundled demo model on CPU; `redraft train-demo --help`")
@@ -262,11 +269,16 @@ def _demo_command(name: str, rest: list[str]) -> int:
     return eval_main(rest, default_format="table", prog="redraft eval-demo")
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """`argv` read by the parser of its command alone (build_parser), so serving loads nothing of clients/."""
+    return build_parser(argv[0] if argv else None).parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("train-demo", "eval-demo"):
         return _demo_command(argv[0], argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     quiet_stderr(args)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),

@@ -71,8 +71,8 @@ class DecodeStats:
     edits: int = 0  # T2T replacements
     mbe_edits: int = 0  # of those, the ones in open blocks before the active one (multi-block editing)
     blocks: int = 0  # blocks finished
-    deletions: int = 0  # LLaDA2.2's Levenshtein step: DELETE applied
-    insertions: int = 0  # and SPLIT applied (a mask inserted)
+    deletions: int = 0  # DELETEs applied (a decoder's `deletions` report, LLaDA2.2)
+    insertions: int = 0  # and SPLITs applied (a mask inserted)
 
 
 def stop_ids(params: ResolvedParams, eos_id: int | frozenset[int]) -> set[int]:
@@ -243,9 +243,10 @@ class Request(RequestInputs):
         self.rewind_block()
 
     def restart_block(self) -> None:
-        """A running request's active block starts over from its entry (its device row is reloaded): the
-        Levenshtein step's state lives on the device only, so a row that must be resynced mid-block restarts
-        the block (decoding is deterministic from a block's entry: the same tokens and forward count)."""
+        """A running request's active block starts over from its entry (its device row is reloaded): a
+        decoder that keeps block state (`Decoder.keeps_block_state`) holds it on the device only, so a row that
+        must be resynced mid-block restarts the block (decoding is deterministic from a block's entry: the same
+        tokens and forward count)."""
         self.rewind_block()
         self._begin_block(self.state.active_block)
 
@@ -287,13 +288,21 @@ class Request(RequestInputs):
         s.constraint.begin_block(s.tokens, s.active_block * b, (s.active_block + 1) * b)  # type: ignore[union-attr]
 
     def pre_forward(self) -> bool:
-        """The check before a forward. Returns False when the active block ends here (no forward). The
-        Levenshtein step ends its blocks after a forward only (`apply_step`'s `ended`)."""
-        if self.params.levenshtein:
+        """The check before a forward. Returns False when the active block ends here (no forward). A decoder
+        whose blocks end after a forward only (`ResolvedParams.ends_blocks_after_forward`: `apply_step`'s `ended`)
+        is left alone."""
+        if self.params.ends_blocks_after_forward:
             return True
         if self.mask_id not in self.active_tokens():  # only the active block can hold masks
             self.state.post_steps += 1
         return self.state.post_steps <= self.params.max_post_steps
+
+    def ends_at_pre_forward(self, active: list[int]) -> bool:
+        """`pre_forward`'s verdict once the active block holds `active`, without counting anything (the overlap
+        scheduler's forecast of the next iteration, engine/runtime/overlap.py): True when the block ends there."""
+        if self.params.ends_blocks_after_forward:
+            return False
+        return self.state.post_steps + (self.mask_id not in active) > self.params.max_post_steps
 
     def set_window_logprobs(self, lps: list[float], tops: list) -> None:
         """The latest forward's logprobs over the window (one entry per window position)."""
@@ -305,8 +314,8 @@ class Request(RequestInputs):
                    ended: bool | None = None, deletions: int = 0, insertions: int = 0,
                    confidence: list[float] | None = None, logprobs: list[float] | None = None) -> StepEnd:
         """Record one denoising forward's result (the window's tokens after the step; `mbe_edits` of the t2t
-        edits landed in blocks before the active one). `ended`: the step's own verdict (the Levenshtein step:
-        the block commits after this forward, which saw its final tokens), else LLaDA2.1's rule below.
+        edits landed in blocks before the active one). `ended`: the step's own verdict, from a decoder that reports one
+        (the block commits after this forward, which saw its final tokens), else LLaDA2.1's rule below.
         `confidence`: each position's proposal probability, copied back only for a request that streams its
         forwards."""
         s, b = self.state, self.block_size
@@ -317,7 +326,7 @@ class Request(RequestInputs):
         s.stats.deletions += deletions
         s.stats.insertions += insertions
         window = slice(s.window_start * b, (s.active_block + 1) * b)
-        if s.trace is not None:  # (under the Levenshtein step positions shift: the trace records them as they are)
+        if s.trace is not None:  # (where a decoder inserts or deletes, positions shift: the trace records them as they are)
             s.trace.record(s.stats.steps, s.active_block, window.start, s.tokens[window], new_window, confidence,
                            logprobs)
         s.tokens[window] = new_window

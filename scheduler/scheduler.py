@@ -98,8 +98,9 @@ class StepOutput:
     m2t: list[int] = field(default_factory=list)
     t2t: list[int] = field(default_factory=list)
     mbe_edits: list[int] = field(default_factory=list)  # of t2t, the edits in blocks before the active one
-    # The Levenshtein step (LLaDA2.2) per item: whether the block commits after this forward (None: LLaDA2.1's
-    # rule in Request.apply_step), and the DELETEs and SPLITs it applied. Empty when no item runs it.
+    # A decoder's verdicts per item (`Decoder.reports`, LLaDA2.2's step): whether the block commits after this
+    # forward (None: LLaDA2.1's rule in Request.apply_step), and the DELETEs and SPLITs it applied. Empty when no
+    # item runs such a decoder.
     ended: list[bool | None] = field(default_factory=list)
     deletions: list[int] = field(default_factory=list)
     insertions: list[int] = field(default_factory=list)
@@ -255,9 +256,9 @@ class Scheduler:
             req.set_window_logprobs(out.logprobs[i], out.top_logprobs[i])
         mbe = out.mbe_edits[i] if out.mbe_edits else 0
         conf = out.confidence[i] if out.confidence else None
-        structural = (out.ended[i], out.deletions[i], out.insertions[i]) if out.ended else (None, 0, 0)
+        verdict = (out.ended[i], out.deletions[i], out.insertions[i]) if out.ended else (None, 0, 0)
         lps = out.logprobs[i] if out.logprobs and req.params.placement_logprobs else None
-        end = req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe, *structural,
+        end = req.apply_step(out.tokens[i], out.had_mask[i], out.m2t[i], out.t2t[i], mbe, *verdict,
                              confidence=conf, logprobs=lps)
         req.book.exact_blocks = end.exact_blocks
         if end.ended:

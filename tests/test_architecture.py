@@ -171,6 +171,26 @@ def test_the_http_process_loads_only_the_front_room_of_the_engine() -> None:
     assert [m for m in loaded if m not in ("redraft", "redraft.engine") and not m.startswith(front)] == []
 
 
+def test_the_serve_command_loads_nothing_of_the_client_tools() -> None:
+    """`redraft serve`'s way in (the command line read by `redraft.cli.parse_args`, then the server modules)
+    loads of redraft only the command line, server/, protocol/ and the text room: not clients/ (bench, plan),
+    whose flags the full parser would import, nor training/."""
+    modules = sorted(f"redraft.server.{p.stem}" for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
+    code = ("import importlib, sys\n"
+            "import redraft.cli\n"
+            "redraft.cli.parse_args(['serve', '--port', '0'])\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] == 'redraft')))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    loaded = res.stdout.split()
+    front = ("redraft.server", "redraft.protocol", "redraft.engine.text")
+    assert "redraft.cli" in loaded and "redraft.server.launch" in loaded
+    assert [m for m in loaded if m not in ("redraft", "redraft.engine", "redraft.cli")
+            and not m.startswith(front)] == []
+
+
 def test_redraft_imports_resolve_by_file_paths() -> None:
     """Tools that follow plain file paths can follow redraft's imports: every `redraft.*` module an import names
     anywhere in the checkout is a file under redraft/ (its links lead to the top-level folders); and from a fresh
@@ -212,11 +232,13 @@ DECODER_NAME = re.compile(r"levenshtein|[\"']threshold[\"']|threshold (step|rule
                           r"LevenshteinDecoder|\.lev\b|structural", re.IGNORECASE)
 
 
-def test_the_runtime_names_no_decoder() -> None:
+@pytest.mark.parametrize("folder", ["engine/runtime", "scheduler"])
+def test_the_runtime_and_the_scheduler_name_no_decoder(folder: str) -> None:
     """The runner, the core and the rest of engine/runtime/ reach a decoding rule only through the registry
-    (engine/decoding/registry.py) and the `Decoder` interface: no rule's name, class or state there, comments
-    included (a rule is one file in engine/decoding/)."""
-    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / "engine" / "runtime").glob("*.py"))
+    (engine/decoding/registry.py) and the `Decoder` interface, the scheduler only through the traits a request's
+    rule declares (protocol/sampling_params.py `DECODER_TRAITS`, resolved into its `ResolvedParams`): no rule's
+    name, class or state there, comments included (a rule is one file in engine/decoding/)."""
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sorted((ROOT / folder).glob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if DECODER_NAME.search(line)]
     assert hits == []
 
@@ -240,6 +262,18 @@ def test_every_decoder_name_has_one_registered_class() -> None:
     assert len(files) == len(DECODER_CLASSES)
     assert all(issubclass(cls, Decoder) and cls.name == name and cls.__module__.startswith("redraft.engine.decoding.")
                for name, cls in DECODER_CLASSES.items())
+
+
+def test_the_host_side_traits_of_each_decoder_agree_with_its_class() -> None:
+    """The torch-free traits table (protocol/, read by the scheduler and `resolve`) says of each rule what its
+    class does: a rule whose blocks end only after a forward is the one that reports that verdict (`ended`)."""
+    from redraft.engine.decoding.registry import DECODER_CLASSES
+    from redraft.protocol.sampling_params import DECODER_TRAITS
+
+    assert sorted(DECODER_TRAITS) == sorted(DECODER_CLASSES)
+    for name, cls in DECODER_CLASSES.items():
+        reports = {r.name for r in cls.reports}
+        assert DECODER_TRAITS[name].ends_blocks_after_forward == ("ended" in reports), name
 
 
 # ---- short functions ----------------------------------------------------------------------------------------

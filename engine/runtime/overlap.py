@@ -85,8 +85,7 @@ def next_iteration(items: list[WorkItem], out: StepOutput, block_size: int, mask
     if not all(it.decodes for it in items):
         return None  # a prefill chunk: what comes next depends on the prefill budget (and out has no row for it)
     ended = [not out.had_mask[i] and out.t2t[i] == 0 for i in range(len(items))]
-    stale = [not ended[i] and mask_id not in out.tokens[i][-b:]
-             and it.req.state.post_steps + 1 > it.req.params.max_post_steps for i, it in enumerate(items)]
+    stale = [not ended[i] and it.req.ends_at_pre_forward(out.tokens[i][-b:]) for i, it in enumerate(items)]
     fresh = pool.peek(sum(ended) + sum(stale))
     if fresh is None:
         return None  # the scheduler would evict (or preempt) for pages
