@@ -97,3 +97,26 @@ def test_release_and_resume_on_a_live_server(ckpts, tmp_path) -> None:
         _rl_flow(c, ckpts["B"], want["B"])
     finally:
         srv.stop()
+
+
+def test_under_tensor_parallelism_every_rank_releases_and_resumes(ckpts, tmp_path) -> None:
+    """--tp-size 2: each rank frees its own shard and KV cache (their resident bytes, per rank, go to 0) and gets
+    them back; SGLang's RL order with a disk update then gives a fresh engine's tokens (float64: ranks exact)."""
+    want = fresh_ids(ckpts["B"], dtype="float64")
+    srv = RedraftServer(ckpts["A"], tmp_path, ["--tp-size", "2", "--dtype", "float64"]).start()
+    try:
+        c = httpx.Client(base_url=srv.url, timeout=300, trust_env=False)
+        _ids(c)
+        out = _memory(c, "release")
+        per_rank = c.get("/server_info").json()["memory_resident_bytes_per_rank"]
+        assert len(per_rank) == 2 and all(set(r.values()) == {0} for r in per_rank), per_rank
+        _memory(c, "resume", {"tags": ["weights"]})
+        r = c.post("/update_weights_from_disk", json={"model_path": str(ckpts["B"])})
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        out = _memory(c, "resume", {"tags": ["kv_cache", "cuda_graph"]})
+        per_rank = c.get("/server_info").json()["memory_resident_bytes_per_rank"]
+        assert all(r["weights"] > 0 and r["kv_cache"] > 0 for r in per_rank), per_rank
+        assert out["resident_bytes"]["weights"] == sum(r["weights"] for r in per_rank)
+        assert _ids(c)[0] == want
+    finally:
+        srv.stop()

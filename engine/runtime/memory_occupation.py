@@ -81,18 +81,37 @@ class RankMemory:
         return not (self.released & {"weights", "kv_cache"})
 
     # ---- release / resume --------------------------------------------------------------------------
+    def apply(self, op: str, tags: list[str]) -> dict[str, int | str]:
+        """`release_memory` or `resume_memory` of `tags`: this rank's resident bytes per tag after it, or
+        {"error": why} (under tensor parallelism every rank answers, so that none waits for a rank that
+        raised)."""
+        try:
+            if op == "release_memory":
+                self.release(tags)
+            else:
+                self.resume(tags)
+        except Exception as exc:  # noqa: BLE001 - reported by rank 0's answer
+            log.error("%s %s failed: %s: %s", op, tags, type(exc).__name__, exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return dict(self.resident_bytes())
+
     @torch.inference_mode()
     def release(self, tags: list[str]) -> None:
-        """Free what `tags` name (already released ones: nothing to do). The caller made sure nothing runs."""
-        if self.released | set(tags) != self.released:
+        """Free what `tags` name (already released ones: nothing to do). The caller made sure nothing runs. A tag
+        counts as released as soon as its memory may be gone, so that a failure part way never lets a forward
+        read freed memory (a resume of it then finishes the job)."""
+        new = [t for t in tags if t not in self.released]
+        if new:
             self._drop_graphs()  # they captured the addresses of everything released below
-        if "kv_cache" in tags and "kv_cache" not in self.released:
+        if "cuda_graph" in new:
+            self.released.add("cuda_graph")
+        if "kv_cache" in new:
             self._kv = [(s, s.nbytes()) for s in _unique_storages([self.runner.k_cache, self.runner.v_cache])]
+            self.released.add("kv_cache")
             for s, _ in self._kv:
                 s.resize_(0)
-        if "weights" in tags and "weights" not in self.released:
+        if "weights" in new:
             self._release_weights()
-        self.released |= set(tags)
         self._empty_cache()
 
     @torch.inference_mode()
@@ -101,12 +120,15 @@ class RankMemory:
         weights, the KV cache and the graphs are all resumed."""
         if "weights" in tags and "weights" in self.released:
             self._resume_weights()
+            self.released.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.released:
             for s, nbytes in self._kv:
                 s.resize_(nbytes)
                 _bytes_of(s).zero_()  # as allocated at start-up (the scratch page's padding reads it)
             self._kv = []
-        self.released -= set(tags)
+            self.released.discard("kv_cache")
+        if "cuda_graph" in tags:
+            self.released.discard("cuda_graph")
         if not self.released and self._graph_spec is not None:
             max_bs, capture = self._graph_spec
             self._graph_spec = None
@@ -122,6 +144,7 @@ class RankMemory:
             self._backup.append((s, host))
         if pin:
             torch.cuda.synchronize(self.device)  # the copies landed before the storage goes
+        self.released.add("weights")
         for s, _ in self._backup:
             s.resize_(0)
 

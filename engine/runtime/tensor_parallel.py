@@ -193,9 +193,13 @@ class Workers:
         does its own share."""
         dist.broadcast_object_list([("weights", command, None)], src=0)
 
-    def memory(self, op: str, tags: list[str]) -> None:
-        """Announce a memory release or resume (engine/runtime/memory_occupation.py); rank 0 then does its own."""
+    def memory(self, op: str, tags: list[str], apply: Any) -> list[dict]:
+        """A memory release or resume (engine/runtime/memory_occupation.py) on every rank: announced, rank 0's
+        own (`apply(op, tags)`), then every rank's answer (resident bytes per tag, or an error), in rank order."""
         dist.broadcast_object_list([("memory", op, tags)], src=0)
+        answers: list[Any] = [None] * self.args.tp_size
+        dist.gather_object(apply(op, tags), answers, dst=0)
+        return answers
 
     def kill(self) -> None:
         """None may outlive a failed start, or the interpreter."""
@@ -255,10 +259,8 @@ def worker_main(rank: int, tp: int, ep: int, args: Any, init_method: str, die_wi
                 from redraft.engine.model.weight_sync import rank_command
 
                 rank_command(first, model, cfg, layout, device, groups)
-            elif kind == "memory" and first == "release_memory":
-                memory.release(second)
-            elif kind == "memory":
-                memory.resume(second)
+            elif kind == "memory":  # release or resume: every rank answers rank 0
+                dist.gather_object(memory.apply(first, second), None, dst=0)
             elif kind == "logits":  # rows of the last forward's hidden states; the gather is lm_head's hook
                 model.logits(hidden, None if first is None else first.to(device))
             else:

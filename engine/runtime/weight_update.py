@@ -33,7 +33,7 @@ import torch
 from redraft.engine.model import weight_sync
 from redraft.engine.model.loader import CheckpointError, load_weights
 from redraft.engine.model.sharding import RankLayout
-from redraft.engine.runtime.memory_occupation import RankMemory, parse_tags
+from redraft.engine.runtime.memory_occupation import MEMORY_TAGS, RankMemory, parse_tags
 from redraft.protocol.messages import ControlResult, GenerationControlReq, WeightGroupReq, WeightUpdateReq
 from redraft.scheduler.request import FinishReason
 
@@ -63,7 +63,8 @@ class WeightControl:
         self.pending: deque[WeightUpdateReq] = deque()
         self.paused: str | None = None
         self.memory = RankMemory(core.model, core.runner)  # this rank's weights, KV cache, CUDA graphs
-        self.resident = self.memory.resident_bytes()  # per tag, as of the last release or resume
+        self.resident = self.memory.resident_bytes()  # per tag, all ranks, as of the last release or resume
+        self.resident_per_rank: list[dict] = [self.resident]  # (rank 0's only until the first release)
         self.groups: dict[str, Any] = {}
         self.versions_seen: dict[str, list[str]] = {}  # rid -> versions, for requests that ran on more than one
         self.ran_on: dict[str, str] = {}  # rid -> version, for requests ended before an update they report after
@@ -344,14 +345,15 @@ class WeightControl:
             if busy is not None:
                 return ControlResult(msg.token, False, busy)
         t0 = time.perf_counter()
-        self._tell_ranks_memory(msg.op, tags)
-        if release:
-            self.memory.release(tags)
-        else:
-            self.memory.resume(tags)
+        answers = self._apply_memory(msg.op, tags)
         self.core.scheduler.hold_admission = self._holding()
-        self.resident = self.memory.resident_bytes()
+        errors = [f"rank {i}: {a['error']}" for i, a in enumerate(answers) if "error" in a]
+        self.resident = {tag: sum(a.get(tag, 0) for a in answers) for tag in MEMORY_TAGS}
+        self.resident_per_rank = answers
         released = sorted(self.memory.released)
+        if errors:
+            return ControlResult(msg.token, False, f"{msg.op} {', '.join(tags)} failed: {'; '.join(errors)}",
+                                 {"status": 500})
         mib = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.resident.items())
         text = (f"{'Released' if release else 'Resumed'} {', '.join(tags)} in {time.perf_counter() - t0:.2f}s; "
                 f"resident now: {mib}; released: {', '.join(released) or 'nothing'}.")
@@ -371,10 +373,16 @@ class WeightControl:
         return None
 
     def memory_stats(self) -> dict[str, Any]:
-        """What /server_info shows: the released tags and each tag's resident bytes on rank 0."""
-        return {"memory_released": sorted(self.memory.released), "memory_resident_bytes": dict(self.resident)}
+        """What /server_info shows: the released tags and each tag's resident bytes, over all ranks and (tensor
+        parallel) per rank."""
+        out = {"memory_released": sorted(self.memory.released), "memory_resident_bytes": dict(self.resident)}
+        if len(self.resident_per_rank) > 1:
+            out["memory_resident_bytes_per_rank"] = self.resident_per_rank
+        return out
 
-    def _tell_ranks_memory(self, op: str, tags: list[str]) -> None:
+    def _apply_memory(self, op: str, tags: list[str]) -> list[dict]:
+        """Every rank's answer (RankMemory.apply), rank 0's first."""
         workers = self.core._tp_workers
-        if workers is not None:
-            workers.memory(op, tags)
+        if workers is None:
+            return [self.memory.apply(op, tags)]
+        return workers.memory(op, tags, self.memory.apply)
