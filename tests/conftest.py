@@ -166,3 +166,26 @@ def tiny_checkpoint(request: pytest.FixtureRequest,
 def ckpt(tiny_checkpoint: TinyCheckpoint) -> Path:
     """The tiny checkpoint most tests use: seed 0, float32, one file (modules needing another seed override it)."""
     return tiny_checkpoint(seed=0)
+
+
+@pytest.fixture(scope="module")
+def demo_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """`redraft serve` of the bundled demo model with one CPU thread, one per test module (its own log folder,
+    named after the module), stopped when the module's tests are done."""
+    from live_server import RedraftServer
+
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    srv = RedraftServer(None, tmp_path_factory.mktemp(name), ["--cpu-threads", "1"])
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_client(demo_server: Any) -> Iterator[Any]:
+    """The real `openai` SDK pointed at `demo_server` (no retries: a failure shows at once)."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="unused", max_retries=0, timeout=120.0) as c:
+        yield c

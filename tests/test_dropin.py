@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel
 
-from live_server import RedraftServer, assert_error_shape
+from live_server import assert_error_shape
 from redraft.training.tasks import MATH_TOOLS
 
 MODEL = "demo_model"
@@ -20,22 +19,8 @@ TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory) -> RedraftServer:
-    srv = RedraftServer(None, tmp_path_factory.mktemp("dropin"), ["--cpu-threads", "1"])
-    request.addfinalizer(srv.stop)
-    return srv.start()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as c:
+def http(demo_server) -> httpx.Client:
+    with httpx.Client(base_url=demo_server.url, timeout=TIMEOUT_S) as c:
         yield c
 
 
@@ -90,9 +75,9 @@ def _check_calls(calls, allowed: set[str]) -> int:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}},
                                          {"type": "function", "function": {"name": "tree"}}])
-def test_forced_tool_call_with_defs_on_chat(client, tool_choice):
-    r = client.chat.completions.create(model=MODEL, messages=user("What is 12 + 7?"), tools=PYDANTIC_TOOLS,
-                                       tool_choice=tool_choice, max_tokens=160, temperature=0)
+def test_forced_tool_call_with_defs_on_chat(demo_client, tool_choice):
+    r = demo_client.chat.completions.create(model=MODEL, messages=user("What is 12 + 7?"), tools=PYDANTIC_TOOLS,
+                                            tool_choice=tool_choice, max_tokens=160, temperature=0)
     choice = r.choices[0]
     assert choice.finish_reason in ("tool_calls", "length"), choice
     if choice.finish_reason == "tool_calls":
@@ -103,11 +88,11 @@ def test_forced_tool_call_with_defs_on_chat(client, tool_choice):
 
 
 @pytest.mark.slow  # over 10 s on two busy cores
-def test_forced_tool_call_with_defs_on_responses(client):
+def test_forced_tool_call_with_defs_on_responses(demo_client):
     tools = [{"type": "function", **t["function"]} for t in PYDANTIC_TOOLS]
     for choice in ("required", {"type": "function", "name": "add"}):
-        r = client.responses.create(model=MODEL, input="What is 12 + 7?", tools=tools, tool_choice=choice,
-                                    max_output_tokens=160, temperature=0)
+        r = demo_client.responses.create(model=MODEL, input="What is 12 + 7?", tools=tools, tool_choice=choice,
+                                         max_output_tokens=160, temperature=0)
         calls = [item for item in r.output if item.type == "function_call"]
         assert r.status in ("completed", "incomplete"), r
         if r.status == "completed":
@@ -116,11 +101,11 @@ def test_forced_tool_call_with_defs_on_responses(client):
                 ARGS_MODELS[call.name].model_validate_json(call.arguments)
 
 
-def test_forced_call_answers_validate(client):
+def test_forced_call_answers_validate(demo_client):
     """Not vacuous: the demo model finishes the named add call, and its arguments are the nested model."""
-    r = client.chat.completions.create(model=MODEL, messages=user("What is 12 + 7?"), tools=PYDANTIC_TOOLS,
-                                       tool_choice={"type": "function", "function": {"name": "add"}},
-                                       max_tokens=160, temperature=0)
+    r = demo_client.chat.completions.create(model=MODEL, messages=user("What is 12 + 7?"), tools=PYDANTIC_TOOLS,
+                                            tool_choice={"type": "function", "function": {"name": "add"}},
+                                            max_tokens=160, temperature=0)
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
     assert _check_calls(r.choices[0].message.tool_calls, {"add"}) >= 1
 
@@ -144,57 +129,58 @@ def test_generate_ids_out_of_range(http):
 
 
 # ---- 3. a forced call cut by max_tokens writes no envelope text -------------------------------------------
-def test_forced_call_cut_by_max_tokens(client, http):
+def test_forced_call_cut_by_max_tokens(demo_client, http):
     kw = dict(model=MODEL, messages=user("What is 12 + 7?"), tools=list(MATH_TOOLS), tool_choice="required",
               max_tokens=3, temperature=0)
-    choice = client.chat.completions.create(**kw).choices[0]
+    choice = demo_client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "length"
     assert choice.message.content == "" and not choice.message.tool_calls
-    chunks = list(client.chat.completions.create(**kw, stream=True))
+    chunks = list(demo_client.chat.completions.create(**kw, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "" and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
-    r = client.responses.create(model=MODEL, input="What is 12 + 7?", tools=[
+    r = demo_client.responses.create(model=MODEL, input="What is 12 + 7?", tools=[
         {"type": "function", **t["function"]} for t in MATH_TOOLS], tool_choice="required", max_output_tokens=3)
     assert r.status == "incomplete" and r.output_text == ""
     assert not [item for item in r.output if item.type == "function_call"]
 
 
-def test_auto_tool_choice_keeps_plain_text_on_responses(client):
+def test_auto_tool_choice_keeps_plain_text_on_responses(demo_client):
     """tool_choice auto (the default) and an answer without a call: the text is the answer, as on chat."""
     tools = [{"type": "function", **t["function"]} for t in MATH_TOOLS]
     q = "Reverse the word: planet"
-    r = client.responses.create(model=MODEL, input=q, tools=tools, temperature=0)
-    chat = client.chat.completions.create(model=MODEL, messages=user(q), tools=list(MATH_TOOLS), temperature=0)
+    r = demo_client.responses.create(model=MODEL, input=q, tools=tools, temperature=0)
+    chat = demo_client.chat.completions.create(model=MODEL, messages=user(q), tools=list(MATH_TOOLS), temperature=0)
     assert chat.choices[0].finish_reason == "stop" and chat.choices[0].message.content
     assert r.output_text == chat.choices[0].message.content
 
 
 # ---- 4. logprobs 0: the sampled token is always in top_logprobs --------------------------------------------
-def test_logprobs_zero_holds_the_sampled_token(client):
-    r = client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=8, logprobs=0, temperature=0)
+def test_logprobs_zero_holds_the_sampled_token(demo_client):
+    r = demo_client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=8, logprobs=0, temperature=0)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == r.usage.completion_tokens > 0
     assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
     # with alternatives the sampled token is there too (at temperature 0 it is the best one)
-    r2 = client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=8, logprobs=2, temperature=0)
+    r2 = demo_client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=8, logprobs=2, temperature=0)
     for tok, v, alts in zip(r2.choices[0].logprobs.tokens, r2.choices[0].logprobs.token_logprobs,
                             r2.choices[0].logprobs.top_logprobs):
         assert tok in alts and alts[tok] >= v - 1e-5
     # echoed prompt positions too (the first has no logprob)
-    r3 = client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=0, logprobs=0, echo=True)
+    r3 = demo_client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=0, logprobs=0, echo=True)
     lp3 = r3.choices[0].logprobs
     assert lp3.top_logprobs[0] is None
     assert lp3.top_logprobs[1:] == [{t: v} for t, v in zip(lp3.tokens[1:], lp3.token_logprobs[1:])]
 
 
 # ---- 5. one model object --------------------------------------------------------------------------------
-def test_model_retrieve_equals_the_list_entry(http, client):
+def test_model_retrieve_equals_the_list_entry(http, demo_client):
     listed = http.get("/v1/models").json()["data"][0]
     alone = http.get(f"/v1/models/{listed['id']}").json()
     assert {k: v for k, v in alone.items() if k != "created"} == {k: v for k, v in listed.items() if k != "created"}
     assert {"id", "object", "created", "owned_by", "root", "parent", "max_model_len"} <= set(alone)
-    assert client.models.retrieve(listed["id"]).model_dump().keys() == client.models.list().data[0].model_dump().keys()
+    retrieved = demo_client.models.retrieve(listed["id"]).model_dump()
+    assert retrieved.keys() == demo_client.models.list().data[0].model_dump().keys()
 
 
 # ---- 6. continuous_usage_stats only with include_usage ----------------------------------------------------
@@ -213,7 +199,7 @@ def test_continuous_usage_needs_include_usage(http, route, body):
 PREFILL = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "The answer"}]
 
 
-def test_continue_final_message(client, http):
+def test_continue_final_message(demo_client, http):
     open_ids = http.post("/tokenize", json={"messages": PREFILL, "continue_final_message": True,
                                             "add_generation_prompt": False}).json()["tokens"]
     closed = http.post("/tokenize", json={"messages": PREFILL, "add_generation_prompt": False}).json()["tokens"]
@@ -222,19 +208,19 @@ def test_continue_final_message(client, http):
     assert tail == "<|role_end|>", tail  # only the turn's closing markup is cut
     opened = http.post("/detokenize", json={"tokens": open_ids}).json()["prompt"]
     assert opened.endswith("<role>ASSISTANT</role>The answer")
-    r = client.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=12, temperature=0,
-                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    r = demo_client.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=12, temperature=0,
+                                            extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert r.usage.prompt_tokens == len(open_ids)
-    same = client.completions.create(model=MODEL, prompt=open_ids, max_tokens=12, temperature=0)
+    same = demo_client.completions.create(model=MODEL, prompt=open_ids, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == same.choices[0].text  # the prompt is the open turn, nothing else
 
 
-def test_add_generation_prompt_false(client, http):
+def test_add_generation_prompt_false(demo_client, http):
     ids = http.post("/tokenize", json={"messages": user("hi"), "add_generation_prompt": False}).json()["tokens"]
     with_prompt = http.post("/tokenize", json={"messages": user("hi")}).json()["tokens"]
     assert with_prompt[: len(ids)] == ids and len(with_prompt) > len(ids)
-    r = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
-                                       extra_body={"add_generation_prompt": False})
+    r = demo_client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
+                                            extra_body={"add_generation_prompt": False})
     assert r.usage.prompt_tokens == len(ids)
 
 
@@ -276,24 +262,24 @@ def test_generate_n(http):
 
 
 # ---- 10. reasoning_content: null; include_reasoning ----------------------------------------------------------
-def test_reasoning_content_is_null(client):
-    r = client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
-                                       extra_body={"include_reasoning": False})
+def test_reasoning_content_is_null(demo_client):
+    r = demo_client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
+                                            extra_body={"include_reasoning": False})
     assert r.choices[0].message.reasoning_content is None
-    chunks = list(client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
-                                                 stream=True, extra_body={"include_reasoning": True}))
+    chunks = list(demo_client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
+                                                      stream=True, extra_body={"include_reasoning": True}))
     assert all(c.choices[0].delta.reasoning_content is None for c in chunks if c.choices)
 
 
 # ---- 11. echo with stream ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("logprobs", [None, 1])
-def test_echo_streamed_equals_whole(client, logprobs):
+def test_echo_streamed_equals_whole(demo_client, logprobs):
     kw = dict(model=MODEL, prompt=["What is 2 + 2?", "Count to 3."], max_tokens=6, temperature=0, echo=True,
               logprobs=logprobs, n=1)
-    whole = client.completions.create(**kw)
+    whole = demo_client.completions.create(**kw)
     texts: dict[int, str] = {}
     tokens: dict[int, list] = {}
-    for chunk in client.completions.create(**kw, stream=True):
+    for chunk in demo_client.completions.create(**kw, stream=True):
         for ch in chunk.choices:
             texts[ch.index] = texts.get(ch.index, "") + ch.text
             if logprobs is not None and ch.logprobs:
@@ -302,7 +288,7 @@ def test_echo_streamed_equals_whole(client, logprobs):
         assert texts[ch.index] == ch.text and ch.text.startswith(kw["prompt"][ch.index])
         if logprobs is not None:
             assert tokens[ch.index] == ch.logprobs.tokens
-    only = list(client.completions.create(**{**kw, "max_tokens": 0}, stream=True))
+    only = list(demo_client.completions.create(**{**kw, "max_tokens": 0}, stream=True))
     assert sorted(c.choices[0].text for c in only) == sorted(kw["prompt"])
     assert {c.choices[0].finish_reason for c in only} == {"length"}
 
@@ -312,8 +298,8 @@ CHOICES = ["yes (a.k.a. y)", "no|never", "maybe?"]
 
 
 @pytest.mark.parametrize("extra", [{"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}])
-def test_choice(client, extra):
-    r = client.chat.completions.create(model=MODEL, messages=user("Is 7 prime?"), max_tokens=16, extra_body=extra)
+def test_choice(demo_client, extra):
+    r = demo_client.chat.completions.create(model=MODEL, messages=user("Is 7 prime?"), max_tokens=16, extra_body=extra)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content in CHOICES
 
 
@@ -331,9 +317,9 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "requ
     ({"guided_grammar": 'root ::= "forty" | "two"'}, lambda t: t in ("forty", "two")),
     ({"structured_outputs": {"grammar": 'root ::= "forty" | "two"'}}, lambda t: t in ("forty", "two")),
 ])
-def test_structured_outputs(client, extra, check):
-    r = client.chat.completions.create(model=MODEL, messages=user("What is 40 + 2?"), max_tokens=24, temperature=0,
-                                       extra_body=extra)
+def test_structured_outputs(demo_client, extra, check):
+    r = demo_client.chat.completions.create(model=MODEL, messages=user("What is 40 + 2?"), max_tokens=24, temperature=0,
+                                            extra_body=extra)
     assert r.choices[0].finish_reason == "stop" and check(r.choices[0].message.content), r.choices[0]
 
 
@@ -354,55 +340,55 @@ def test_structured_outputs_refusals(http, body, param):
 
 
 # ---- 13. return_token_ids, truncate_prompt_tokens, prompt_logprobs ---------------------------------------------
-def test_return_token_ids(client, http):
-    plain = client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0)
+def test_return_token_ids(demo_client, http):
+    plain = demo_client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0)
     assert plain.model_extra["prompt_token_ids"] is None and plain.choices[0].model_extra["token_ids"] is None
-    r = client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0,
-                                       extra_body={"return_token_ids": True})
+    r = demo_client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0,
+                                            extra_body={"return_token_ids": True})
     assert r.model_extra["prompt_token_ids"] == http.post("/tokenize", json={"messages": user("Count to 3.")}
                                                           ).json()["tokens"]
     ids = r.choices[0].model_extra["token_ids"]
     assert len(ids) == r.usage.completion_tokens and r.choices[0].message.content == plain.choices[0].message.content
-    streamed = [t for c in client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
-                                                          temperature=0, stream=True,
-                                                          extra_body={"return_token_ids": True})
-                for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
+    streamed = [t for c in demo_client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8,
+                                                               temperature=0, stream=True,
+                                                               extra_body={"return_token_ids": True})
+                     for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
     assert streamed == ids
-    c = client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, temperature=0,
-                                  extra_body={"return_token_ids": True})
+    c = demo_client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, temperature=0,
+                                       extra_body={"return_token_ids": True})
     assert c.choices[0].model_extra["prompt_token_ids"] == http.post("/tokenize", json={"prompt": "Count to 3."}
                                                                      ).json()["tokens"]
     assert len(c.choices[0].model_extra["token_ids"]) == c.usage.completion_tokens
-    streamed = [t for ch in client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, temperature=0,
-                                                      stream=True, extra_body={"return_token_ids": True})
-                for x in ch.choices for t in (x.model_extra.get("token_ids") or [])]
+    chunks = demo_client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, temperature=0,
+                                            stream=True, extra_body={"return_token_ids": True})
+    streamed = [t for ch in chunks for x in ch.choices for t in (x.model_extra.get("token_ids") or [])]
     assert streamed == c.choices[0].model_extra["token_ids"]
-    first = next(iter(client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, stream=True,
-                                                extra_body={"return_token_ids": True, "prompt_logprobs": 1})))
+    first = next(iter(demo_client.completions.create(model=MODEL, prompt="Count to 3.", max_tokens=8, stream=True,
+                                                     extra_body={"return_token_ids": True, "prompt_logprobs": 1})))
     assert first.choices[0].model_extra["prompt_token_ids"] == c.choices[0].model_extra["prompt_token_ids"]
     assert first.choices[0].text == "" and first.choices[0].model_extra["prompt_logprobs"][0] is None
 
 
-def test_truncate_prompt_tokens(client, http):
+def test_truncate_prompt_tokens(demo_client, http):
     ids = http.post("/tokenize", json={"prompt": "Please, what is 12 + 30?"}).json()["tokens"]
-    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
-                                    extra_body={"truncate_prompt_tokens": 5})
-    tail = client.completions.create(model=MODEL, prompt=ids[-5:], max_tokens=6, temperature=0)
+    cut = demo_client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 5})
+    tail = demo_client.completions.create(model=MODEL, prompt=ids[-5:], max_tokens=6, temperature=0)
     assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == tail.choices[0].text
-    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
-                                      extra_body={"truncate_prompt_tokens": -1})
+    whole = demo_client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                           extra_body={"truncate_prompt_tokens": -1})
     assert whole.usage.prompt_tokens == len(ids)
-    chat = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
-                                          extra_body={"truncate_prompt_tokens": 3})
+    chat = demo_client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
+                                               extra_body={"truncate_prompt_tokens": 3})
     assert chat.usage.prompt_tokens == 3
     for bad in (0, -2):
         assert_error_shape(http.post("/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": bad}), 400)
 
 
-def test_prompt_logprobs_are_the_echo_values(client):
-    echo = client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=0, echo=True, logprobs=2)
-    r = client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=2,
-                                  extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+def test_prompt_logprobs_are_the_echo_values(demo_client):
+    echo = demo_client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=0, echo=True, logprobs=2)
+    r = demo_client.completions.create(model=MODEL, prompt="What is 2 + 2?", max_tokens=2,
+                                       extra_body={"prompt_logprobs": 2, "return_token_ids": True})
     plps, prompt = r.choices[0].model_extra["prompt_logprobs"], r.choices[0].model_extra["prompt_token_ids"]
     assert plps[0] is None and len(plps) == len(prompt) == len(echo.choices[0].logprobs.tokens)
     for token, want, entry in zip(prompt[1:], echo.choices[0].logprobs.token_logprobs[1:], plps[1:]):
@@ -410,71 +396,71 @@ def test_prompt_logprobs_are_the_echo_values(client):
         ranked = sorted((e for e in entry.values() if e["rank"] is not None), key=lambda e: e["rank"])
         assert [e["rank"] for e in ranked] == [1, 2]
         assert ranked[0]["logprob"] >= ranked[1]["logprob"] >= -1e9
-    chat = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
-                                          extra_body={"prompt_logprobs": 0})
+    chat = demo_client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2,
+                                               extra_body={"prompt_logprobs": 0})
     plps = chat.model_extra["prompt_logprobs"]
     assert plps[0] is None and all(len(e) == 1 for e in plps[1:]) and len(plps) == chat.usage.prompt_tokens
-    first = next(iter(client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2, stream=True,
-                                                     extra_body={"prompt_logprobs": 0})))
+    first = next(iter(demo_client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2, stream=True,
+                                                          extra_body={"prompt_logprobs": 0})))
     assert first.choices[0].model_extra["prompt_logprobs"] == plps  # streamed: on the first chunk
 
 
 # ---- 14. matched_stop and stop_reason ---------------------------------------------------------------------
-def test_matched_stop(client, server):
+def test_matched_stop(demo_client, demo_server):
     base = dict(model=MODEL, messages=user("Count from 1 to 20."), max_tokens=64, temperature=0)
-    free = client.chat.completions.create(**base)
+    free = demo_client.chat.completions.create(**base)
     text = free.choices[0].message.content
     assert free.choices[0].finish_reason == "stop"
     eos = free.choices[0].model_extra["matched_stop"]
     assert isinstance(eos, int) and free.choices[0].model_extra["stop_reason"] is None  # an EOS nobody named
     stop = text[len(text) // 2]
-    cut = client.chat.completions.create(**base, stop=[stop])
+    cut = demo_client.chat.completions.create(**base, stop=[stop])
     assert cut.choices[0].model_extra["matched_stop"] == cut.choices[0].model_extra["stop_reason"] == stop
-    named = client.chat.completions.create(**base, extra_body={"stop_token_ids": [eos]})
+    named = demo_client.chat.completions.create(**base, extra_body={"stop_token_ids": [eos]})
     assert named.choices[0].model_extra["stop_reason"] == eos
-    short = client.completions.create(model=MODEL, prompt="Count from 1 to 20.", max_tokens=2,
-                                      extra_body={"ignore_eos": True})
+    short = demo_client.completions.create(model=MODEL, prompt="Count from 1 to 20.", max_tokens=2,
+                                           extra_body={"ignore_eos": True})
     assert short.choices[0].finish_reason == "length"
     assert short.choices[0].model_extra["matched_stop"] is short.choices[0].model_extra["stop_reason"] is None
-    last = [c for c in client.chat.completions.create(**base, stop=[stop], stream=True) if c.choices][-1]
+    last = [c for c in demo_client.chat.completions.create(**base, stop=[stop], stream=True) if c.choices][-1]
     assert last.choices[0].model_extra["matched_stop"] == stop
 
 
 # ---- 15. /v1/responses logprobs ----------------------------------------------------------------------------
-def test_responses_logprobs(client):
+def test_responses_logprobs(demo_client):
     kw = dict(model=MODEL, input="Count to 3.", max_output_tokens=8, temperature=0, top_logprobs=2,
               include=["message.output_text.logprobs"])
-    r = client.responses.create(**kw)
+    r = demo_client.responses.create(**kw)
     lps = r.output[0].content[0].logprobs
     assert len(lps) == r.usage.output_tokens and all(len(e.top_logprobs) == 2 for e in lps)
     assert "".join(e.token for e in lps).startswith(r.output_text)
-    streamed = [e for ev in client.responses.create(**kw, stream=True) if ev.type == "response.output_text.delta"
-                for e in ev.logprobs]
+    streamed = [e for ev in demo_client.responses.create(**kw, stream=True) if ev.type == "response.output_text.delta"
+                     for e in ev.logprobs]
     assert [e.token for e in streamed] == [e.token for e in lps][: len(streamed)] and streamed
-    plain = client.responses.create(**{k: v for k, v in kw.items() if k != "include"})
+    plain = demo_client.responses.create(**{k: v for k, v in kw.items() if k != "include"})
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
 
 
 # ---- 16. history as clients replay it ------------------------------------------------------------------------
-def test_replayed_history(client):
+def test_replayed_history(demo_client):
     legacy = [{"role": "user", "content": "What is 2 + 3?"},
               {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
               {"role": "function", "name": "add", "content": "5"}]
     modern = [legacy[0], {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
-    a = client.chat.completions.create(model=MODEL, messages=legacy, tools=list(MATH_TOOLS), max_tokens=8,
-                                       temperature=0)
-    b = client.chat.completions.create(model=MODEL, messages=modern, tools=list(MATH_TOOLS), max_tokens=8,
-                                       temperature=0)
+    a = demo_client.chat.completions.create(model=MODEL, messages=legacy, tools=list(MATH_TOOLS), max_tokens=8,
+                                            temperature=0)
+    b = demo_client.chat.completions.create(model=MODEL, messages=modern, tools=list(MATH_TOOLS), max_tokens=8,
+                                            temperature=0)
     assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.choices[0].message == b.choices[0].message
-    first = client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0)
+    first = demo_client.chat.completions.create(model=MODEL, messages=user("Count to 3."), max_tokens=8, temperature=0)
     echoed = first.choices[0].message.model_dump()  # as a client appends it: refusal, annotations, reasoning ...
     echoed.update(annotations=[], refusal=None, reasoning_content="", reasoning="")
     turn = [*user("Count to 3."), echoed, *user("Again.")]
     clean = [*user("Count to 3."), {"role": "assistant", "content": echoed["content"]}, *user("Again.")]
-    x = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0)
-    y = client.chat.completions.create(model=MODEL, messages=clean, max_tokens=8, temperature=0)
+    x = demo_client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0)
+    y = demo_client.chat.completions.create(model=MODEL, messages=clean, max_tokens=8, temperature=0)
     assert x.usage.prompt_tokens == y.usage.prompt_tokens and x.choices[0].message == y.choices[0].message
 
 
