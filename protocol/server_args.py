@@ -145,6 +145,10 @@ class ServerArgs:
         "keep the weights of every update from a trainer's broadcast here (a full checkpoint), so that an engine "
         "restart serves them again; without it such an engine refuses to restart rather than revert to --model",
         group="rl")
+    enable_memory_saver: bool = _opt(
+        "say so in /server_info (SGLang's flag, which slime compares with its --offload-rollout when it attaches); "
+        "/release_memory_occupation frees memory with or without it (docs/rl.md)",
+        default=False, action="store_true", group="rl")
     # ---- HTTP server -----------------------------------------------------------------------------------
     host: str = _opt("address to listen on", cli="serve", default="127.0.0.1", group="server")
     port: int = _opt("port to listen on", cli="serve", default=30000, type=_port, group="server")

@@ -1,8 +1,11 @@
 """The RL control plane on a GPU (docs/rl.md): a CUDA server (Triton kernels, CUDA graphs) on tiny checkpoint A
 gets checkpoint C by broadcast from a trainer process (NCCL with two GPUs, the trainer on the second; gloo with
 one: NCCL cannot put two ranks on one GPU), and must then answer exactly as a fresh CUDA engine on C, with its
-CUDA graphs still in use; then a /release_memory_occupation -> /resume_memory_occupation round trip, with the
-engine process's GPU memory before, between and after (nvidia-smi), and the answers again. Prints a table.
+CUDA graphs still in use; then memory: a /release_memory_occupation -> /resume_memory_occupation round trip, and
+SGLang's RL order (release all -> resume weights -> update_weights_from_disk -> resume kv_cache -> resume
+cuda_graph), each with the engine's device memory at every stage (its allocator's own figures from /server_info,
+the device's free memory, nvidia-smi's per-process figure) and the answers again, from recaptured CUDA graphs
+(their replay count). Prints a table; exits 1 when an answer or a graph check fails.
 
     python scripts/gpu_rl_check.py            # needs a CUDA device; run from the repository root
 """
@@ -22,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 PROMPTS = [list(range(5, 45)), list(range(60, 75))]
 SP = {"max_new_tokens": 64, "temperature": 0.0}
-FLAGS = ["--device", "cuda", "--kernel-backend", "triton", "--dtype", "float32", "--max-total-tokens", "16384"]
+# a KV cache of 256k tokens (~hundreds of MiB at the tiny shape), so that what a release frees is plain to see
+FLAGS = ["--device", "cuda", "--kernel-backend", "triton", "--dtype", "float32", "--max-total-tokens", "262144"]
+MIB = 2**20
 
 
 def fresh(path: Path) -> list[list[int]]:
@@ -81,14 +86,49 @@ def _broadcast(http: httpx.Client, c: Path, tmp: Path, backend: str, trainer_dev
     trainer.wait(60)
 
 
-def _memory_round_trip(http: httpx.Client, engine_pid: int, rows: list[tuple[str, str]]) -> None:
-    """release_memory_occupation then resume_memory_occupation, with the engine's GPU memory at each stage."""
-    mem = [gpu_mib(engine_pid)]
-    rows.append(("release_memory_occupation", str(http.post("/release_memory_occupation", json={}).status_code)))
-    mem.append(gpu_mib(engine_pid))
-    rows.append(("resume_memory_occupation", str(http.post("/resume_memory_occupation", json={}).status_code)))
-    mem.append(gpu_mib(engine_pid))
-    rows.append(("engine GPU MiB before/released/resumed", " / ".join(map(str, mem))))
+def _snapshot(http: httpx.Client, engine_pid: int) -> dict:
+    """The engine's device memory now: its allocator (allocated, reserved), the device's free memory, nvidia-smi's
+    figure for the engine process, the resident bytes per tag it reports, its captured graphs."""
+    import torch
+
+    info = http.get("/server_info").json()
+    return {"allocated": info["cuda_memory_allocated_bytes"] / MIB,
+            "reserved": info["cuda_memory_reserved_bytes"] / MIB,
+            "free": torch.cuda.mem_get_info(0)[0] / MIB, "smi": gpu_mib(engine_pid),
+            "resident": {k: round(v / MIB, 1) for k, v in info["memory_resident_bytes"].items()},
+            "graphs": info["cuda_graph_batch_sizes"], "replays": info["cuda_graph_replays"]}
+
+
+def _memory(http: httpx.Client, op: str, tags: list[str] | None = None) -> str:
+    r = http.post(f"/{op}_memory_occupation", json={"tags": tags} if tags else {})
+    return f"{r.status_code} {r.json().get('message', r.text)[:160]}"
+
+
+def _memory_checks(http: httpx.Client, engine_pid: int, model: Path, want: list[list[int]], gen,
+                   rows: list[tuple[str, str]]) -> bool:
+    """A round trip, then SGLang's RL order with a disk update of the same weights; memory at every stage, the
+    answers (and graph replays) after each. True when every answer matched and the graphs ran again."""
+    fmt = lambda m: (f"allocated {m['allocated']:.0f} MiB, reserved {m['reserved']:.0f} MiB, device free "  # noqa: E731
+                     f"{m['free']:.0f} MiB, nvidia-smi {m['smi']} MiB; resident {m['resident']}; graphs {m['graphs']}")
+    ok = True
+    rows.append(("memory before", fmt(_snapshot(http, engine_pid))))
+    rows.append(("release (all)", _memory(http, "release")))
+    rows.append(("memory released", fmt(_snapshot(http, engine_pid))))
+    rows.append(("resume (all)", _memory(http, "resume")))
+    rows.append(("memory resumed", fmt(_snapshot(http, engine_pid))))
+    same, replays = gen() == want, _snapshot(http, engine_pid)["replays"]
+    rows.append(("round trip: answers == fresh C, graph replays since resume", f"{same}, {replays}"))
+    ok &= same and replays > 0
+    rows.append(("RL order: release (all)", _memory(http, "release")))
+    rows.append(("resume weights", _memory(http, "resume", ["weights"])))
+    r = http.post("/update_weights_from_disk", json={"model_path": str(model), "weight_version": "c-disk"})
+    rows.append(("update_weights_from_disk (KV still released)", f"{r.status_code} {r.json().get('message')}"))
+    rows.append(("resume kv_cache", _memory(http, "resume", ["kv_cache"])))
+    rows.append(("memory (graphs still released)", fmt(_snapshot(http, engine_pid))))
+    rows.append(("resume cuda_graph", _memory(http, "resume", ["cuda_graph"])))
+    same, replays = gen() == want, _snapshot(http, engine_pid)["replays"]
+    rows.append(("RL order: answers == fresh C, graph replays since resume", f"{same}, {replays}"))
+    return ok and same and replays > 0 and r.status_code == 200
 
 
 def main() -> int:
@@ -100,6 +140,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpu-rl-"))
     a, c = make_tiny_checkpoint(tmp / "A", 0), make_tiny_checkpoint(tmp / "C", 2)
     want_c = fresh(c)
+    torch.cuda.empty_cache()  # (this process's cached blocks would blur the device's free memory)
     two = torch.cuda.device_count() >= 2
     backend, trainer_device = ("nccl", "cuda:1") if two else ("gloo", "cpu")
     port = free_port()
@@ -111,7 +152,6 @@ def main() -> int:
     try:
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600, trust_env=False)
         _wait_healthy(http)
-        info = http.get("/server_info").json()
         engine_pid = int(subprocess.run(["pgrep", "-P", str(server.pid), "-f", "spawn_main"], capture_output=True,
                                         text=True).stdout.split()[0])
         gen = lambda: [o["output_ids"] for o in http.post("/generate", json={"input_ids": PROMPTS,  # noqa: E731
@@ -119,11 +159,12 @@ def main() -> int:
         before = gen()
         _broadcast(http, c, tmp, backend, trainer_device, rows)
         after = gen()
-        rows.append(("answers before == fresh C", str(before == want_c)))
+        info = http.get("/server_info").json()
+        rows.append(("answers before (on A) differ from fresh C", str(before != want_c)))
         rows.append(("answers after == fresh C", str(after == want_c)))
         rows.append(("CUDA graphs (server_info)", str({k: v for k, v in info.items() if "graph" in k})))
-        _memory_round_trip(http, engine_pid, rows)
-        rows.append(("answers after the round trip == fresh C", str(gen() == want_c)))
+        ok = before != want_c and after == want_c and info["cuda_graph_replays"] > 0
+        ok &= _memory_checks(http, engine_pid, c, want_c, gen, rows)
     finally:
         server.terminate()
         server.wait(60)
@@ -131,7 +172,8 @@ def main() -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     print(f"(server log: {tmp / 'server.log'})")
-    return 0
+    print("ALL CHECKS PASSED" if ok else "A CHECK FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """/release_memory_occupation and /resume_memory_occupation on a live server (docs/rl.md): the engine reports the
 memory freed, answers exactly as before after a round trip (a prompt cached before the release recomputed),
 refuses a release while a request runs, holds requests sent while released until resume, and runs SGLang's RL
-flow: release(all) -> resume(weights) -> update_weights_from_disk -> resume(kv_cache) gives the new checkpoint's
-tokens."""
+flow: release(all) -> resume(weights) -> update_weights_from_disk or _from_distributed -> resume(kv_cache) gives
+the new checkpoint's tokens; under tensor parallelism every rank frees and re-takes its share."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from live_server import RedraftServer
-from rl_support import PROMPTS, SP, Streamed, fresh_ids
+from rl_support import PROMPTS, SP, Streamed, Trainer, fresh_ids, tensor_specs
 
 pytestmark = pytest.mark.slow
 TAGS = ["cuda_graph", "kv_cache", "weights"]
@@ -22,7 +22,7 @@ TAGS = ["cuda_graph", "kv_cache", "weights"]
 
 @pytest.fixture(scope="module")
 def ckpts(tiny_checkpoint) -> dict[str, Path]:
-    return {"A": tiny_checkpoint(seed=0), "B": tiny_checkpoint(seed=1)}
+    return {"A": tiny_checkpoint(seed=0), "B": tiny_checkpoint(seed=1), "C": tiny_checkpoint(seed=2)}
 
 
 def _ids(c: httpx.Client) -> tuple[list[list[int]], list[dict]]:
@@ -77,6 +77,27 @@ def _rl_flow(c: httpx.Client, b: Path, want_b: list[list[int]]) -> None:
     assert _ids(c)[0] == want_b
 
 
+def _rl_flow_broadcast(c: httpx.Client, checkpoint: Path, want_c: list[list[int]], tmp: Path) -> None:
+    """The same with a trainer's broadcast: refused (and drained) while the weights are out, applied after
+    resume(weights)."""
+    names, dtypes, shapes = tensor_specs(checkpoint)
+    trainer = Trainer(checkpoint, names, tmp, rounds=2)
+    assert c.post("/init_weights_update_group", json=trainer.init_payload()).status_code == 200
+    body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": trainer.group, "weight_version": "c"}
+    _memory(c, "release")
+    r = c.post("/update_weights_from_distributed", json=body)
+    trainer.next_round()
+    assert r.status_code == 400 and "resume them first" in r.json()["message"], r.text
+    _memory(c, "resume", {"tags": ["weights"]})
+    r = c.post("/update_weights_from_distributed", json=body)
+    trainer.next_round()
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    trainer.finish()
+    _memory(c, "resume", {"tags": ["kv_cache", "cuda_graph"]})
+    ids, meta = _ids(c)
+    assert ids == want_c and {m["weight_version"] for m in meta} == {"c"}
+
+
 def test_release_and_resume_on_a_live_server(ckpts, tmp_path) -> None:
     want = {k: fresh_ids(p, PROMPTS) for k, p in ckpts.items()}
     srv = RedraftServer(ckpts["A"], tmp_path, []).start()
@@ -95,6 +116,7 @@ def test_release_and_resume_on_a_live_server(ckpts, tmp_path) -> None:
         assert _refusal(r)["param"] == "tags"
 
         _rl_flow(c, ckpts["B"], want["B"])
+        _rl_flow_broadcast(c, ckpts["C"], want["C"], tmp_path)
     finally:
         srv.stop()
 

@@ -77,6 +77,7 @@ class DecodeGraphs:
             dtype = compute_dtype(self.model.lm_head.weight.dtype)
             self.logits = torch.empty(max_bs, b, cfg.vocab_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0  # steps run from these graphs (/server_info: they are in use after a resume)
 
     # -- which batches qualify ------------------------------------------------------------------------
     def can_run(self, items: list["WorkItem"]) -> bool:
@@ -184,6 +185,7 @@ class DecodeGraphs:
         self._fill(batch, bs)
         if self.capture_graphs:
             self.graphs[bs].replay()
+            self.replays += 1
         else:
             self._forward(bs)
         return self.logits[:n]

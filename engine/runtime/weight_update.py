@@ -106,12 +106,13 @@ class WeightControl:
 
     def info(self) -> dict[str, Any]:
         """What /server_info adds for RL clients: the weights, and the SGLang server arguments slime compares when
-        it attaches to an external engine (one node, no memory saver, no disaggregation)."""
+        it attaches to an external engine (one node, the memory saver as --enable-memory-saver says, no
+        disaggregation)."""
         a = self.core.args
         return {"weight_version": self.version, "weight_epoch": self.core.scheduler.cache.version,
                 "paused": self.paused, "serving_path": str(self.serving_path), "weights_recoverable":
                 self.recoverable, "host": a.host, "port": a.port, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1,
-                "base_gpu_id": 0, "enable_memory_saver": False, "disaggregation_mode": "null"}
+                "base_gpu_id": 0, "enable_memory_saver": a.enable_memory_saver, "disaggregation_mode": "null"}
 
     # ---- updates -----------------------------------------------------------------------------------
     def _queue_update(self, msg: WeightUpdateReq) -> list[ControlResult]:
@@ -345,6 +346,7 @@ class WeightControl:
             if busy is not None:
                 return ControlResult(msg.token, False, busy)
         t0 = time.perf_counter()
+        self.core.overlap.settle()  # no forward in flight (a resume of cuda_graph alone may meet running requests)
         answers = self._apply_memory(msg.op, tags)
         self.core.scheduler.hold_admission = self._holding()
         errors = [f"rank {i}: {a['error']}" for i, a in enumerate(answers) if "error" in a]
@@ -367,7 +369,6 @@ class WeightControl:
         if sched.running or core.scoring.jobs or self.pending or (sched.waiting and not sched.hold_admission):
             return ("release_memory_occupation should be called only when the server is idle: requests are "
                     "running or waiting (pause generation, or wait for them to finish)")
-        core.overlap.settle()
         if flush and not sched.flush_cache():
             return "the radix cache could not be flushed (pages still in use): try again once idle"
         return None
@@ -375,9 +376,18 @@ class WeightControl:
     def memory_stats(self) -> dict[str, Any]:
         """What /server_info shows: the released tags and each tag's resident bytes, over all ranks and (tensor
         parallel) per rank."""
-        out = {"memory_released": sorted(self.memory.released), "memory_resident_bytes": dict(self.resident)}
+        out: dict[str, Any] = {"memory_released": sorted(self.memory.released),
+                               "memory_resident_bytes": dict(self.resident)}
         if len(self.resident_per_rank) > 1:
             out["memory_resident_bytes_per_rank"] = self.resident_per_rank
+        graphs = self.core.runner.graphs
+        captured = graphs is not None and graphs.capture_graphs
+        out["cuda_graph_batch_sizes"] = graphs.buckets if captured else []  # (empty: the step runs eagerly)
+        out["cuda_graph_replays"] = graphs.replays if captured else 0  # since the last capture
+        device = torch.device(self.core.args.device)
+        if device.type == "cuda":  # this process's view of the device (rank 0's)
+            out["cuda_memory_allocated_bytes"] = torch.cuda.memory_allocated(device)
+            out["cuda_memory_reserved_bytes"] = torch.cuda.memory_reserved(device)
         return out
 
     def _apply_memory(self, op: str, tags: list[str]) -> list[dict]:
