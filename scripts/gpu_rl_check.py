@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ def fresh(path: Path) -> list[list[int]]:
 
 
 def gpu_mib(pid: int) -> int | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True).stdout
     for line in out.splitlines():
@@ -92,9 +95,10 @@ def _snapshot(http: httpx.Client, engine_pid: int) -> dict:
     import torch
 
     info = http.get("/server_info").json()
-    return {"allocated": info["cuda_memory_allocated_bytes"] / MIB,
-            "reserved": info["cuda_memory_reserved_bytes"] / MIB,
-            "free": torch.cuda.mem_get_info(0)[0] / MIB, "smi": gpu_mib(engine_pid),
+    return {"allocated": info.get("cuda_memory_allocated_bytes", 0) / MIB,
+            "reserved": info.get("cuda_memory_reserved_bytes", 0) / MIB,
+            "free": torch.cuda.mem_get_info(0)[0] / MIB if torch.cuda.is_available() else 0.0,
+            "smi": gpu_mib(engine_pid),
             "resident": {k: round(v / MIB, 1) for k, v in info["memory_resident_bytes"].items()},
             "graphs": info["cuda_graph_batch_sizes"], "replays": info["cuda_graph_replays"]}
 

@@ -65,6 +65,8 @@ def test_release_frees_every_storage_and_resume_restores_them_bitwise(engine, wa
     assert engine.core.scheduler.cache.cached_pages == 0  # the radix cache pointed into the freed pages
     with pytest.raises(RuntimeError, match="released"):
         _ids(engine)
+    with pytest.raises(RuntimeError, match="released"):
+        engine.prompt_logprobs(PROMPTS[0])
     assert engine.release_memory_occupation(["weights"])["success"]  # already released: harmless
 
     r = engine.resume_memory_occupation()

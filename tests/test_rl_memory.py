@@ -45,12 +45,22 @@ def _refusal(r: httpx.Response) -> dict:
     return body["error"]
 
 
-def _round_trip(c: httpx.Client, want: list[list[int]]) -> None:
-    """Release everything (the engine says what it freed), resume everything, the same answers."""
+def _rss(pid: int) -> int:
+    """A process's resident set, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _round_trip(c: httpx.Client, want: list[list[int]], engine_pid: int) -> None:
+    """Release everything (the engine says what it freed, and its process really shrinks), resume everything, the
+    same answers."""
     resident = c.get("/server_info").json()["memory_resident_bytes"]
     assert resident["weights"] > 0 and resident["kv_cache"] > 0, resident
+    before = _rss(engine_pid)
     out = _memory(c, "release")
     assert out["released"] == TAGS and out["resident_bytes"] == dict.fromkeys(resident, 0), out
+    freed = before - _rss(engine_pid)  # (the KV cache, hundreds of MiB, is given back to the OS on CPU too)
+    assert freed > 0.9 * resident["kv_cache"], (freed, resident)
     info = c.get("/server_info").json()
     assert info["memory_released"] == TAGS and set(info["memory_resident_bytes"].values()) == {0}
     _memory(c, "release", {"tags": ["kv_cache"]})  # released already: harmless
@@ -104,7 +114,7 @@ def test_release_and_resume_on_a_live_server(ckpts, tmp_path) -> None:
     try:
         c = httpx.Client(base_url=srv.url, timeout=120, trust_env=False)
         assert _ids(c)[0] == want["A"] and _ids(c)[1][0]["cached_tokens"] == 32
-        _round_trip(c, want["A"])
+        _round_trip(c, want["A"], srv.engine_pid())
 
         running = Streamed(srv.url)
         r = c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})

@@ -450,6 +450,8 @@ class EngineCore:
                        max_tokens: int | None = None) -> list[Values]:
         """A likelihood job run to its end at once (the offline Engine): per variant, (logprob, top
         alternatives) at each target. RequestError as in _new_score_job."""
+        if not self.weights.serving():
+            raise RuntimeError("the weights or the KV cache are released: resume_memory_occupation first")
         self.overlap.settle()
         return self.scoring.run_to_end(self._new_score_job("offline", sequences, variants, top_k, max_tokens))
 
