@@ -644,8 +644,10 @@ class EngineClient:
 
     async def control(self, msg: Any, timeout: float | None = None) -> ControlResult:
         """A training control message (protocol/messages.py; server/rl_api.py); no timeout by default: an update
-        waits for the running requests, a broadcast for the trainer."""
-        blocking = isinstance(msg, (WeightUpdateReq, WeightGroupReq))
+        waits for the running requests, a broadcast for the trainer. Those, and a memory release or resume (host
+        copies of the weights, CUDA graph capture), may keep the engine loop silent past the heartbeat timeout."""
+        blocking = isinstance(msg, (WeightUpdateReq, WeightGroupReq)) or \
+            getattr(msg, "op", None) in ("release_memory", "resume_memory")
         self.weight_ops += blocking
         try:
             return await self._request(msg, timeout)
