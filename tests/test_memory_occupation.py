@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import redraft
-from redraft.engine.runtime.memory_occupation import MEMORY_TAGS, parse_tags
+from redraft.engine.runtime.memory_occupation import MEMORY_TAGS, RankMemory, parse_tags
 from redraft.protocol.messages import GenerationControlReq, WeightUpdateReq
 from redraft.protocol.sampling_params import SamplingParams
 
@@ -123,3 +123,19 @@ def test_graphs_are_dropped_with_what_they_captured_and_rebuilt_once_all_is_back
         assert runner.graphs is not None and runner.graphs.static_bytes() == static
     finally:
         runner.graphs = None
+
+
+def test_a_release_that_fails_part_way_never_lets_a_forward_read_freed_memory(engine, want, monkeypatch) -> None:
+    """The KV cache freed, then the weights' host copy fails (no host memory, say): the answer is a failure naming
+    it, the KV cache counts as released (nothing runs on it), and a resume brings the engine back."""
+    def no_host_memory(self) -> None:
+        raise RuntimeError("injected: no host memory for the weights' copy")
+
+    monkeypatch.setattr(RankMemory, "_release_weights", no_host_memory)
+    r = engine.release_memory_occupation()
+    assert not r["success"] and "injected" in r["message"], r
+    assert engine.core.weights.memory.released == {"cuda_graph", "kv_cache"}
+    assert engine.core.runner.k_cache.untyped_storage().nbytes() == 0 and not engine.core.weights.serving()
+    monkeypatch.undo()
+    assert engine.resume_memory_occupation()["success"]
+    assert _ids(engine)[0] == want
