@@ -60,7 +60,7 @@ class RankMemory:
         self.model, self.runner = model, runner
         self.device = torch.device(runner.device)  # type: ignore[attr-defined]
         self.released: set[str] = set()
-        # storage -> (its size, its bytes on the host) while the weights are released
+        # (storage, its bytes on the host: [nbytes] uint8) for each weight storage, while the weights are released
         self._backup: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self._kv: list[tuple[torch.UntypedStorage, int]] = []  # storage, its size, while the KV cache is released
         self._graph_spec: tuple[int, bool] | None = None  # (max_bs, capture) of dropped graphs, to rebuild them
