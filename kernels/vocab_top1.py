@@ -80,7 +80,7 @@ def lm_head_top1_torch(hidden: torch.Tensor, weight: torch.Tensor, exclude: int 
         logits = F.linear(hidden, weight[start : start + chunk]).to(cdt)  # [R, C]
         for t in gone:
             if 0 <= t - vocab_offset - start < logits.shape[1]:
-                logits[:, t - vocab_offset - start] = float("-inf")
+                logits[:, t - vocab_offset - start].fill_(float("-inf"))  # (a fill: no tensor from host data)
         chunk_best, chunk_arg = logits.max(-1)  # [R]; the first maximal index on ties
         new_best = torch.maximum(best, chunk_best)
         safe = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # all -inf so far: 0

@@ -172,7 +172,8 @@ def test_sync_free_moe_matches_reference(fn):
 
 
 def test_captured_forward_has_no_host_sync_on_meta():
-    """A CPU proxy for CUDA-graph capturability: the exact function DecodeGraphs captures, at the real
+    """A CPU proxy for CUDA-graph capturability: the exact functions DecodeGraphs captures (the full-logits forward
+    and the decision inside the graph), at the real
     LLaDA2.1-mini shape in bf16 with the sync-free torch MoE (the engine's fused Triton MoE cannot run on the
     meta device), run on the meta device, where any data-dependent host sync (.item(), .tolist(), nonzero,
     bincount's output size) raises; torch._grouped_mm's meta kernel also enforces the CUDA kernel's dtype and
@@ -181,6 +182,8 @@ def test_captured_forward_has_no_host_sync_on_meta():
     from types import SimpleNamespace
 
     model_config = bench_module("bench_gpu_step").model_config
+    from redraft.engine.decoding.registry import DECODER_CLASSES
+    from redraft.engine.decoding.slots import SlotState
     from redraft.engine.model.loader import build_model
 
     cfg = model_config("mini")
@@ -189,14 +192,20 @@ def test_captured_forward_has_no_host_sync_on_meta():
     model.set_moe_experts(moe_sync_free.moe_experts_grouped)
     cache = torch.empty(cfg.num_hidden_layers, 17, 32, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16,
                         device="meta")
+    slots = SlotState(5, 32, torch.device("meta"))  # (4 slots + the scratch slot)
     runner = SimpleNamespace(model=model, device=torch.device("meta"), block_size=32, scratch_page=16, mask_id=5,
-                             k_cache=cache, v_cache=cache)
+                             k_cache=cache, v_cache=cache, slots=slots, scratch_slot=4,
+                             decoders={name: cls(slots, cfg, 5) for name, cls in DECODER_CLASSES.items()
+                                       if cls.runs_on(cfg)})
     graphs = DecodeGraphs(runner, max_bs=8, capture=False)
+    assert graphs.rules  # the decision inside the graph: the fused top-1, the rule's step, the packing
     with torch.inference_mode():
         for bs in (1, 8):
             graphs._pad_all(bs)
             logits = graphs._forward(bs)
             assert logits.shape == (bs, 32, cfg.vocab_size) and logits.dtype == torch.float32
+            for rule in graphs.rules.values():
+                graphs._decide(bs, rule)
         model.set_moe_experts(moe_experts_torch)  # the reference MoE syncs (bincount().tolist()): caught here
         with pytest.raises((RuntimeError, NotImplementedError)):
             graphs._forward(1)

@@ -11,6 +11,9 @@ runs: it groups the rows by their decoder and hands each group its proposals. Wh
   the hidden states of rows that decided from vocabulary chunks;
 - `keeps_block_state`: it keeps per-slot state the request does not hold, so a row reloaded mid-block (after a
   failed batch) restarts its block;
+- `in_graph`: its step reads nothing but v, p and the slot rows (not the requests, no vocabulary rows), reports
+  nothing and never waits on the host, so a CUDA graph of the denoising step may end in it (the decision inside
+  the graph: engine/runtime/cuda_graphs.py), for rows that need no more than each position's argmax;
 - `reports`: per-row figures beyond tokens, had_mask, M2T and T2T (`Report`), which ride in the step's one
   device -> host read and land in the `StepOutput` field of the same name;
 - `admit`: refuses (RequestError) a request it cannot serve on this checkpoint, at admission;
@@ -57,6 +60,7 @@ class Decoder:
     name: ClassVar[str]
     reads_vocab_rows: ClassVar[bool] = False
     keeps_block_state: ClassVar[bool] = False
+    in_graph: ClassVar[bool] = False
     reports: ClassVar[tuple[Report, ...]] = ()
 
     def __init__(self, slots: SlotState, cfg: ModelConfig, mask_id: int):

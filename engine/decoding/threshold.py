@@ -44,9 +44,11 @@ def threshold_step(
 
 class ThresholdDecoder(Decoder):
     """`decoder: "threshold"`. Its state is SlotState's rows alone. On a LLaDA2.2 checkpoint it never proposes
-    DELETE or SPLIT (they are the Levenshtein step's edits, not tokens)."""
+    DELETE or SPLIT (they are the Levenshtein step's edits, not tokens). Its step is tensor ops on v, p and the slot
+    rows alone: it runs inside the denoising step's CUDA graph (`in_graph`)."""
 
     name = "threshold"
+    in_graph = True
 
     def __init__(self, slots: SlotState, cfg: ModelConfig, mask_id: int):
         super().__init__(slots, cfg, mask_id)

@@ -4,7 +4,8 @@ Rows that decided from vocabulary chunks have their argmax and its probability a
 first go through their request's logit controls, then `propose` (greedy or sampled). Either way the rows are
 grouped by decoder (engine/decoding/decoder.py) and each group runs its decoder's batched step; the groups' results
 are put back in batch order (`merge_results`), structured output's sweep runs on the constrained rows, and the
-whole batch is read back in one transfer (engine/runtime/output.py). A per-request stage that raises (grammar,
+whole batch is read back in one transfer (engine/runtime/output.py). A batch planned to decide inside the CUDA
+graph (`ForwardPlan.in_graph`) has done all of that on the device: `decide_in_graph` only unpacks. A per-request stage that raises (grammar,
 logit controls) ends that request alone: it lands in `failed`.
 """
 
@@ -21,7 +22,7 @@ from redraft.engine.runtime.batch import ForwardPlan
 from redraft.engine.runtime.faults import Failures, guard
 from redraft.engine.runtime.forward import Forward
 from redraft.engine.runtime.grammar_step import constrain_rows
-from redraft.engine.runtime.output import add_logprobs, pack_step
+from redraft.engine.runtime.output import add_logprobs, pack_step, unpack_rows
 from redraft.scheduler.request import Request
 from redraft.scheduler.scheduler import StepOutput, WorkItem
 
@@ -54,6 +55,16 @@ def decide(runner: ModelRunner, items: list[WorkItem], plan: ForwardPlan, fwd: F
         for t in runner.non_text_ids:  # tokens that are edits, not text (DELETE, SPLIT) never reach logprobs
             logits[idx, :, t] = float("-inf")
         add_logprobs(out, logits[local], result.tokens[wants], reqs, wants, lens)
+    out.failed = failed
+    return out
+
+
+def decide_in_graph(runner: ModelRunner, items: list[WorkItem], failed: Failures) -> StepOutput:
+    """The forward and the step of a batch planned `in_graph`, one CUDA graph (cuda_graphs.DecodeGraphs.decide):
+    every item decodes its one block with the same `in_graph` rule; one read brings the packed rows back."""
+    reqs = [it.req for it in items]
+    rows = runner.graphs.decide(items, runner.decoders[reqs[0].params.decoder])  # [N][2B + 3]
+    out = unpack_rows(rows, reqs, runner.block_size)
     out.failed = failed
     return out
 

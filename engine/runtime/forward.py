@@ -36,7 +36,9 @@ class Forward:
 
 
 def run_forward(runner: ModelRunner, plan: ForwardPlan) -> Forward:
-    """The forward of `plan` (module docstring)."""
+    """The forward of `plan` (module docstring); not of an `in_graph` plan, whose forward is its decision too."""
+    if plan.in_graph:
+        raise ValueError("an in-graph plan runs its forward and decision as one step (ModelRunner.run)")
     if plan.graphs:
         logits = runner.graphs.run(plan.batch)  # [N, B, V]: every item decodes its one active block
         return Forward(logits=logits, width=logits.shape[1])

@@ -8,6 +8,7 @@ and one decoder per rule the checkpoint can run (engine/decoding/registry.py). `
     plan           batch building and planning                        engine/runtime/batch.py
     forward        the forward, eager or a CUDA graph                 engine/runtime/forward.py
     decide         each row's decoder step, grammar, packing          engine/runtime/decision.py, output.py
+(A batch planned `in_graph` runs forward and decide as one CUDA graph: engine/runtime/cuda_graphs.py.)
 
 The step runs on [N, L] positions: every request's window, padded to the longest in the batch. Likelihood
 forwards are engine/runtime/scoring.py's; the overlap scheduler (engine/runtime/overlap.py) wraps `run`.
@@ -48,12 +49,14 @@ class ModelRunner:
         self.block_size = BLOCK_SIZE
         dtype = next(model.parameters()).dtype
         # One page beyond the scheduler's pages 0..num_pages-1: the scratch page that padded batch rows
-        # (CUDA graphs) write to and read from; no request ever owns it.
+        # (CUDA graphs) write to and read from; no request ever owns it. Likewise one slot row beyond the
+        # scheduler's slots: the padded rows' of a graph that decides.
         self.scratch_page = num_pages
+        self.scratch_slot = num_slots
         shape = (cfg.num_hidden_layers, num_pages + 1, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P + 1, B, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.slots = SlotState(num_slots, BLOCK_SIZE, self.device)
+        self.slots = SlotState(num_slots + 1, BLOCK_SIZE, self.device)  # (+ the scratch slot)
         self.decoders: dict[str, Decoder] = {name: cls(self.slots, cfg, mask_id)
                                              for name, cls in DECODER_CLASSES.items() if cls.runs_on(cfg)}
         # ids that are edits, not text (LLaDA2.2's DELETE and SPLIT): never in logprobs or likelihoods
@@ -104,6 +107,8 @@ class ModelRunner:
         self.sync_rows([it.req for it in items if it.decodes], failed)
         self.faults.check_any("forward", [it.req.rid for it in items])
         plan = self.plan(items, build_forward_batch(items, self.block_size))
+        if plan.in_graph:
+            return decision.decide_in_graph(self, items, failed)
         return self.decide(items, plan, self.forward(plan), failed)
 
     def sync_rows(self, reqs: list[Request], failed: Failures) -> None:
@@ -120,7 +125,8 @@ class ModelRunner:
     def plan(self, items: list[WorkItem], batch: ForwardBatch) -> ForwardPlan:
         """What `forward` needs of the items, read now (engine/runtime/batch.py)."""
         graphs = self.graphs is not None and self.graphs.can_run(items)
-        return plan_forward(items, batch, self.decoders, graphs, self.vocab_reduce, self.block_size)
+        return plan_forward(items, batch, self.decoders, graphs, self.vocab_reduce, self.block_size,
+                            graph_decides=graphs and self.graphs.decides)
 
     @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> Forward:

@@ -1,5 +1,6 @@
 """Output packing: a step's result as the scheduler's plain lists (`StepOutput`), read from the device in one
-transfer, and the logprobs of the rows that asked for them."""
+transfer, and the logprobs of the rows that asked for them. `pack_rows` / `unpack_rows` are the same for the
+decision inside the CUDA graph (engine/runtime/cuda_graphs.py), whose packed tensor has a fixed shape."""
 
 from __future__ import annotations
 
@@ -21,11 +22,35 @@ def finite_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).nan_to_num(nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
 
 
+def confidence_bits(result: StepResult) -> torch.Tensor:
+    """[N, L] int32: each position's proposal probability as float32 bits (-1.0 where the step's token is not the
+    proposal), to ride in the step's one integer device -> host read."""
+    p = result.confidence.float()  # [N, L] float32
+    return torch.where(result.tokens == result.proposal, p, torch.full_like(p, -1.0)).view(torch.int32)
+
+
 def denoise_columns(result: StepResult) -> torch.Tensor:
-    """[N, L] int64: each position's proposal probability as float32 bits (-1.0 where the step's token is not the
-    proposal), to ride in the step's one int64 device -> host read."""
-    p = torch.where(result.tokens == result.proposal, result.confidence.float(), -1.0)  # [N, L] float32
-    return p.view(torch.int32).long()
+    """confidence_bits as [N, L] int64 (pack_step's columns)."""
+    return confidence_bits(result).long()
+
+
+def pack_rows(result: StepResult) -> torch.Tensor:
+    """A one-block step's result in one int32 tensor [N, 2L + 3]: the window's tokens, had_mask, the M2T and T2T
+    counts, the confidence bits (unpack_rows reads it back; multi-block edits cannot occur in one block)."""
+    cols = [result.tokens, result.had_mask[:, None], result.m2t.sum(-1, keepdim=True),
+            result.t2t.sum(-1, keepdim=True)]
+    return torch.cat([*(c.int() for c in cols), confidence_bits(result)], dim=1)
+
+
+def unpack_rows(rows: list[list[int]], reqs: list[Request], width: int) -> StepOutput:
+    """pack_rows' rows (read back as lists) as the StepOutput of requests `reqs`, windows of `width` tokens."""
+    out = StepOutput(tokens=[row[:width] for row in rows], had_mask=[bool(row[width]) for row in rows],
+                     m2t=[row[width + 1] for row in rows], t2t=[row[width + 2] for row in rows],
+                     mbe_edits=[0] * len(rows))
+    if any(r.params.stream_denoise for r in reqs):
+        out.confidence = [unpack_floats(row[width + 3 :]) if r.params.stream_denoise else None
+                          for row, r in zip(rows, reqs)]
+    return out
 
 
 def unpack_floats(bits: list[int]) -> list[float]:

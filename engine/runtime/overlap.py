@@ -107,7 +107,7 @@ def next_iteration(items: list[WorkItem], out: StepOutput, block_size: int, mask
         tables.append(pages)
         windows.append(window * b)
         ids += query
-    return nxt, ForwardBatch(torch.tensor(ids, dtype=torch.long), q_starts, q_lens, tables, windows)
+    return nxt, ForwardBatch(ids, q_starts, q_lens, tables, windows)
 
 
 def _next_block_follows(req: Request, window: list[int], block_size: int) -> bool:
@@ -125,7 +125,7 @@ def same_forward(a: ForwardPlan, b: ForwardPlan) -> bool:
     """Whether two plans describe the same forward: equal inputs, geometry and decision split."""
     x, y = a.batch, b.batch
     return (a.decoding == b.decoding and a.lens == b.lens and a.quick == b.quick and a.excluded == b.excluded
-            and a.keep_hidden == b.keep_hidden and a.graphs == b.graphs
+            and a.keep_hidden == b.keep_hidden and a.graphs == b.graphs and a.in_graph == b.in_graph
             and x.q_starts == y.q_starts and x.q_lens == y.q_lens and x.page_tables == y.page_tables
             and x.window_starts == y.window_starts and torch.equal(x.input_ids, y.input_ids))
 
@@ -181,6 +181,8 @@ class Overlap:
         if guess is None:
             return
         plan = self.runner.plan(*guess)  # (a new block's window is one block, like the ended one's)
+        if plan.in_graph:
+            return  # its forward is also its decision, which advances the slot rows: nothing to run ahead
         if self.inline:
             future: Future = Future()
             try:
