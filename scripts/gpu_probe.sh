@@ -20,7 +20,12 @@
 #   attention 35     split-KV against the unsplit kernel and SDPA, contexts 1k and 8k, batch 1 / 8 / 64
 #                                                                                -> attention.json
 #   fp8 60           the MoE layer at 32 tokens and the batch-1 step, FP8 against bf16 -> fp8.json
-# The decision is today's (eager after the replayed forward): the in-graph decision is not built yet.
+# step-uniform and step-model time the old decision (full logits, the step on the host) and the new one (inside
+# the graph) side by side.
+# ---- the decision inside the CUDA graph (issue 38 item 3; opt-in, it would take the call past 8 minutes):
+#   graph-decision 60  greedy tokens with graphs == without; steady steps: 0 H2D and 1 D2H memcpy (profiler) and
+#                      one synchronizing call (set_sync_debug_mode) each       -> graph_decision.json
+#   bash scripts/gpu_probe.sh graph-decision
 set -u
 OUT=${OUT:-gpu-out}
 PY=${PYTHON:-python3}
@@ -40,7 +45,9 @@ STEP="benchmarks/bench_gpu_step.py --skip-prefill --profile --iters 20 --warmup 
 limit_of() {
     case $1 in
         setup) echo 40 ;; info) echo 30 ;; kernels) echo 75 ;; step-uniform) echo 100 ;; step-model) echo 55 ;;
-        moe-sweep) echo 80 ;; attention) echo 35 ;; fp8) echo 60 ;; *) echo 0 ;;
+        moe-sweep) echo 80 ;; attention) echo 35 ;; fp8) echo 60 ;;
+        graph-decision) echo 60 ;;  # (the decision inside the graph)
+        *) echo 0 ;;
     esac
 }
 
@@ -57,6 +64,7 @@ d = dict(device=torch.cuda.get_device_name(0), sms=p.multi_processor_count, torc
         moe-sweep) echo "$PY benchmarks/moe_config_sweep.py --write --tokens 32,128,512,2048 --out $OUT/moe_sweep.json" ;;
         attention) echo "$PY $STEP --batches 1,8,64 --attn-contexts 1024,8192 --skip-steps --json-out $OUT/attention.json" ;;
         fp8) echo "$PY benchmarks/bench_moe.py --tokens 32 --methods auto --json-out $OUT/fp8.json" ;;
+        graph-decision) echo "$PY scripts/gpu_graph_decision_check.py --json-out $OUT/graph_decision.json" ;;
     esac
 }
 

@@ -70,12 +70,21 @@ def engines(tiny):
     tri.shutdown()
 
 
+def count_static_steps(graphs: DecodeGraphs, used: list[int]) -> None:
+    """Append each static step's batch size to `used`: full-logits steps (`run`) and steps decided inside the
+    graph (`decide`, the greedy threshold batches') alike."""
+    run, decide = graphs.run, graphs.decide
+    graphs.run = lambda batch: used.append(len(batch.q_starts)) or run(batch)
+    graphs.decide = lambda items, rule: used.append(len(items)) or decide(items, rule)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["S", "Q"])
 def test_triton_backend_reproduces_torch_tokens(engines, mode):
     """All five prompts in one batch (ragged prefill windows, then denoising steps). In mode S the denoising
     steps take the static-buffer path that the CUDA graphs replay (run eagerly here): buckets 1, 2, 4, 6, so
-    the five requests start in the 6-bucket with a padding row on the scratch page; mode Q runs plain eager."""
+    the five requests start in the 6-bucket with a padding row on the scratch page, decided inside the graph
+    (greedy threshold rows); mode Q runs plain eager."""
     ref, tri, ids = engines
     assert tri.core.model.kernel_backend == "triton"
     params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "mode": mode}
@@ -84,8 +93,7 @@ def test_triton_backend_reproduces_torch_tokens(engines, mode):
     if mode == "S":
         graphs = DecodeGraphs(tri.core.runner, max_bs=6, capture=False)
         assert graphs.buckets == [1, 2, 4, 6]
-        run = graphs.run
-        graphs.run = lambda batch: used.append(len(batch.q_starts)) or run(batch)
+        count_static_steps(graphs, used)
         tri.core.runner.graphs = graphs
     try:
         got = tri.generate(input_ids=ids, sampling_params=params)
@@ -327,9 +335,8 @@ def test_block_routing_static_step_with_padding_rows(tiny_checkpoint):
     try:
         want = ref.generate(input_ids=ids, sampling_params=params)
         graphs = DecodeGraphs(tri.core.runner, max_bs=6, capture=False)
-        used = []
-        run = graphs.run
-        graphs.run = lambda batch: used.append(len(batch.q_starts)) or run(batch)
+        used: list[int] = []
+        count_static_steps(graphs, used)
         tri.core.runner.graphs = graphs
         got = tri.generate(input_ids=ids, sampling_params=params)
     finally:

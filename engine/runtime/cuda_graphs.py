@@ -108,14 +108,15 @@ class DecodeGraphs:
         self.rules: dict[str, Decoder] = {name: d for name, d in getattr(runner, "decoders", {}).items()
                                           if d.in_graph} if decide else {}
         self.decision_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.inputs = GraphInputs(self, runner.scratch_slot) if self.rules else None
         if self.rules:
-            self.inputs = GraphInputs(self, runner.scratch_slot)
             runner.slots.tokens[runner.scratch_slot, :b] = runner.mask_id  # padding rows' block: MASK, not editable
+        self.decide_on = True  # (benchmarks: False runs every batch on the full-logits variant, the old decision)
 
     @property
     def decides(self) -> bool:
         """Whether batches of an `in_graph` rule can decide inside the graph."""
-        return bool(self.rules)
+        return bool(self.rules) and self.decide_on
 
     # -- which batches qualify ------------------------------------------------------------------------
     def can_run(self, items: list["WorkItem"]) -> bool:
@@ -184,7 +185,7 @@ class DecodeGraphs:
         self.page_tables[:bs, :max_pages].copy_(table)
         self.q_starts[:bs].copy_(starts)
         self.kv_lens[:bs].copy_(starts + b)
-        if self.rules:
+        if self.inputs is not None:
             self.inputs.forget(bs)
 
     def _pad_all(self, bs: int) -> None:
@@ -196,7 +197,7 @@ class DecodeGraphs:
         self.page_tables[:bs].fill_(self.scratch)
         self.q_starts[:bs].zero_()
         self.kv_lens[:bs].fill_(b)
-        if self.rules:
+        if self.inputs is not None:
             self.slot_idx[:bs].fill_(self.inputs.scratch_slot)
             self.inputs.forget(bs)
 

@@ -30,6 +30,9 @@ replay return at once, so the device computes while the host goes on, and stream
 everything queued later (no side stream, no thread). On CPU an op returns only when done, so the forward runs on
 a worker thread (torch releases the GIL inside each op).
 
+A batch that decides inside the CUDA graph (`ForwardPlan.in_graph`) is never run ahead: its forward is its
+decision, which advances the slot rows (and its host work is one packed read).
+
 It is off unless --enable-overlap, because it measured slower wherever it ran: on CPU the forward's Python code
 between ops and the host's work take turns on the GIL (docs/benchmarks.md); on an H100 and an H200 (LLaDA2.1-mini
 shape, CUDA graphs), with the forward on a worker thread as on CPU, 0.95-0.96x offline and 0.84-0.88x served at
