@@ -239,17 +239,21 @@ class DecodeGraphs:
         return graph
 
     def static_bytes(self) -> int:
-        """Bytes of the static input and logits buffers (the graphs' private pool not counted)."""
+        """Bytes of the static input and logits buffers, the in-graph decision's included (the graphs' private
+        pool and the pinned host buffers not counted)."""
         bufs = (self.input_ids, self.positions, self.slot_mapping, self.page_tables, self.kv_lens, self.q_starts,
-                self.q_lens, self.cu_q, self.logits)
+                self.q_lens, self.cu_q, self.logits, self.slot_idx)
+        if self.inputs is not None:
+            bufs += (self.inputs.staged, self.inputs.packed, self.inputs.ar)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     def reset(self) -> None:
         """Drop the graphs (their memory pool goes with them): /release_memory_occupation
         (engine/runtime/memory_occupation.py); the runner then builds a new DecodeGraphs."""
-        for graph in self.graphs.values():
+        for graph in [*self.graphs.values(), *self.decision_graphs.values()]:
             graph.reset()
         self.graphs.clear()
+        self.decision_graphs.clear()
 
     @torch.inference_mode()
     def run(self, batch: "ForwardBatch") -> torch.Tensor:
@@ -275,6 +279,7 @@ class DecodeGraphs:
             self.inputs.stage(items, bs)
             if self.capture_graphs:
                 self.decision_graphs[(rule.name, bs)].replay()
+                self.replays += 1
             else:
                 self._decide(bs, rule)
             return self.inputs.read(n)
