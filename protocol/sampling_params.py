@@ -1,5 +1,10 @@
 """Per-request decoding parameters, the mode presets, and the one function that resolves defaults. Torch-free.
 
+Every per-request field is declared once, on `SamplingParams` (`request_field`, protocol/fields.py): type,
+default, range, routes, dials, the levels below that may set it, CLI flag and help. `FIELDS` reads them back for
+the validation here, the chain (`Defaults`, `BUILTIN_DEFAULTS`, `PRESETS`), the HTTP side
+(server/request_fields.py) and the command line.
+
 A request names what it wants; anything it leaves unset (None) is decided by `resolve`, walking one chain:
 
     1. the request itself                      (SamplingParams)
@@ -30,12 +35,11 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
+from redraft.protocol.fields import (CHAT_AND_RESPONSES, GENERATE_TOP, INT64_MAX, OPENAI, RESPONSES, FieldSpec,
+                                     field_specs, is_int, is_num, refusal, request_field)
+
 BLOCK_SIZE = 32  # LLaDA2.1 decodes in blocks of 32 tokens; one KV page holds exactly one block.
 
-PRESETS: dict[str, tuple[float, float, int]] = {
-    "Q": (0.7, 0.5, 16),
-    "S": (0.5, 0.0, 16),
-}
 AUTO_SPEED_DOMAINS = frozenset({"code", "math"})
 MODES = ("S", "Q", "auto")
 
@@ -66,23 +70,8 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_STOP_STRINGS = 4  # OpenAI's cap, on every route
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
-INT64_MAX = 2**63 - 1
 MAX_DOMAIN_LEN = 64  # as on the OpenAI routes: a label, not a text
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark")  # structured output: the constraint fields
-
-# Level 4: what a request gets when no level names a value. max_new_tokens from here (or from any default
-# level) is capped by the context left after the prompt, so a default never makes a request too long.
-BUILTIN_DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 1024,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": -1,
-    "mode": "Q",
-    "mbe_window": 1,
-    "decoder": "threshold",  # startup puts "levenshtein" in a level of its own for a checkpoint with DELETE/SPLIT
-    "steps": 32,
-    "max_steps_per_block": 1000,
-}
 
 
 class SamplingParamsError(ValueError):
@@ -93,96 +82,117 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-@dataclass(frozen=True)
-class Defaults:
-    """One level of defaults below the request (operator flags, or generation_config.json); None = not set."""
-
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    mode: str | None = None
-    threshold: float | None = None
-    edit_threshold: float | None = None
-    max_post_steps: int | None = None
-    mbe_window: int | None = None
-    decoder: str | None = None
-    steps: int | None = None
-    max_steps_per_block: int | None = None
-
-    def __post_init__(self) -> None:
-        _validate_common(self)
-
-    @classmethod
-    def from_generation_config(cls, raw: dict[str, Any]) -> "Defaults":
-        """The keys redraft reads from a checkpoint's generation_config.json (`editing_threshold` is the
-        diffusers spelling of edit_threshold); anything else there is ignored."""
-        values = {k: raw[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "threshold",
-                                      "edit_threshold", "max_post_steps", "steps", "max_steps_per_block")
-                  if raw.get(k) is not None}
-        if "edit_threshold" not in values and raw.get("editing_threshold") is not None:
-            values["edit_threshold"] = raw["editing_threshold"]
-        if values.get("top_k") == 0:
-            values["top_k"] = -1  # HF's "off"
-        try:
-            return cls(**values)
-        except SamplingParamsError as exc:
-            raise ValueError(f"generation_config.json: {exc}") from exc
-
-
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks for (SGLang's sampling_params keys plus the diffusion ones). None = unset."""
+    """What one request asks for (SGLang's sampling_params keys plus the diffusion ones). None = unset.
 
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # -1 or 0: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    mode: str | None = None  # "S" | "Q" | "auto"
-    threshold: float | None = None
-    edit_threshold: float | None = None
-    max_post_steps: int | None = None
-    mbe_window: int | None = None
-    decoder: str | None = None  # "levenshtein" | "threshold" (LLaDA2.2 checkpoints: docs/llada22.md)
-    steps: int | None = None  # Levenshtein step: scheduled transfers per block
-    max_steps_per_block: int | None = None  # Levenshtein step: hard cap (the last step is a final round)
-    domain: str | None = None
-    logprobs: bool = False  # per-token logprobs (of the forward that last saw each block)
-    top_logprobs: int = 0  # and the top alternatives at each position, 0..20
+    Every per-request field is declared here once (protocol/fields.py): its type, default, range, the routes and
+    dials that carry it, the levels of the defaults chain that may set it, its `redraft generate` flag and its
+    help. `FIELDS` below reads them back; the validation, the defaults chain, the HTTP models
+    (server/request_fields.py), the dials, the param names and the command line all read FIELDS."""
+
+    max_new_tokens: int | None = request_field(
+        "output tokens at most (default: the checkpoint's generation_config.json, else 1024)", ge=1,
+        openai_name="max_tokens", builtin=1024, generation_config=("max_new_tokens",),
+        operator_flag="default_max_tokens", cli=True)
+    temperature: float | None = request_field(
+        "0 (default): greedy, exact; > 0: sampled", ge=0.0, le=100.0, routes=frozenset({OPENAI}),
+        openai={"le": 2.0}, builtin=0.0, generation_config=("temperature",), cli=True)
+    top_p: float | None = request_field(
+        "nucleus sampling: the smallest set of tokens whose probability reaches top_p", gt=0.0, le=1.0,
+        message="top_p must be in (0, 1]", routes=frozenset({OPENAI}), builtin=1.0,
+        generation_config=("top_p",))
+    top_k: int | None = request_field(
+        "sample among the k most likely tokens (-1 or 0: all)", ge=-1, le=INT64_MAX,
+        message="top_k must be an integer in [-1, 2^63) (-1 or 0 disables it)", routes=CHAT_AND_RESPONSES,
+        builtin=-1, generation_config=("top_k",))
+    seed: int | None = request_field(
+        "the request's sampling seed (temperature > 0)", ge=-INT64_MAX - 1, le=INT64_MAX,
+        message="seed must be an integer in [-2^63, 2^63)", routes=CHAT_AND_RESPONSES)
+    # route-shaped: a string or a list on the OpenAI routes (server/openai_protocol.py)
+    stop: tuple[str, ...] = request_field("strings that end the output", default=(), routes=CHAT_AND_RESPONSES)
+    stop_token_ids: tuple[int, ...] = request_field("token ids that end the output", default=(),
+                                                    routes=frozenset({OPENAI}))
+    ignore_eos: bool = request_field("go on past EOS, up to max_new_tokens", default=False,
+                                     routes=CHAT_AND_RESPONSES)
+    mode: str | None = request_field(
+        "S: speed (threshold 0.5, edit threshold 0.0), Q: quality (0.7 / 0.5; the default), auto: S for code and "
+        "math, else Q", choices=MODES, routes=CHAT_AND_RESPONSES, dial=True, builtin="Q",
+        operator_flag="default_mode", cli=True)
+    threshold: float | None = request_field(
+        "confidence above which a mask is drafted (default: the mode's)", ge=0.0, le=1.0,
+        routes=CHAT_AND_RESPONSES, dial=True, preset={"Q": 0.7, "S": 0.5}, generation_config=("threshold",),
+        cli=True)
+    edit_threshold: float | None = request_field(
+        "confidence above which a drafted token is replaced (1.0: editing off; default: the mode's)", ge=0.0,
+        le=1.0, routes=CHAT_AND_RESPONSES, dial=True, preset={"Q": 0.5, "S": 0.0},
+        generation_config=("edit_threshold", "editing_threshold"), cli=True)  # (diffusers' spelling second)
+    max_post_steps: int | None = request_field(
+        "editing forwards allowed after a block has no mask left (default: the mode's)", ge=0, le=1024,
+        routes=CHAT_AND_RESPONSES, dial=True, preset={"Q": 16, "S": 16}, generation_config=("max_post_steps",),
+        cli=True)
+    mbe_window: int | None = request_field(
+        "multi-block editing: open blocks a forward may still edit (1: the official single-block loop; "
+        "docs/mbe.md)", ge=1, le=MAX_MBE_WINDOW, routes=CHAT_AND_RESPONSES, dial=True, builtin=1,
+        operator_flag="mbe_window")
+    decoder: str | None = request_field(
+        "LLaDA2.2: the insert/delete step (default on such a checkpoint) or LLaDA2.1's (docs/llada22.md)",
+        choices=DECODERS, routes=CHAT_AND_RESPONSES, dial=True, builtin="threshold", cli=True)
+    steps: int | None = request_field(
+        "the Levenshtein step's scheduled transfers per block", ge=1, le=MAX_STEPS, routes=CHAT_AND_RESPONSES,
+        dial=True, builtin=32, generation_config=("steps",), cli=True)
+    max_steps_per_block: int | None = request_field(
+        "the Levenshtein step's hard cap of forwards per block (the last one is a final round)", ge=1,
+        le=MAX_STEPS, routes=CHAT_AND_RESPONSES, dial=True, builtin=1000,
+        generation_config=("max_steps_per_block",), cli=True)
+    domain: str | None = request_field(
+        "the request's domain (code, math, chat ...): mode auto and the metrics' label read it",
+        max_length=MAX_DOMAIN_LEN, routes=CHAT_AND_RESPONSES, dial=True)
+    logprobs: bool = request_field("per-token logprobs (of the forward that last saw each block)", default=False)
+    top_logprobs: int = request_field("and the top alternatives at each position", default=0, ge=0, le=20)
     # Logit controls (engine/decoding/logit_controls.py defines them for block diffusion)
-    stutter_penalty: float = 0.0  # >= 0: lowers the logit of the token the previous position holds
-    frequency_penalty: float = 0.0  # -2..2, per occurrence in the committed output (OpenAI)
-    presence_penalty: float = 0.0  # -2..2, once per token present in the committed output (OpenAI)
-    repetition_penalty: float = 1.0  # 0.01..100, on tokens of the prompt or the committed output (HF / vLLM)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100), at most 300 (OpenAI)
-    min_tokens: int = 0  # no EOS / stop token before this many output tokens (vLLM)
+    stutter_penalty: float = request_field(
+        "lowers the logit of the token the previous position holds", default=0.0, ge=0.0, le=100.0,
+        routes=CHAT_AND_RESPONSES, dial=True)
+    frequency_penalty: float = request_field(
+        "per occurrence in the committed output (OpenAI)", default=0.0, ge=-2.0, le=2.0, routes=CHAT_AND_RESPONSES)
+    presence_penalty: float = request_field(
+        "once per token present in the committed output (OpenAI)", default=0.0, ge=-2.0, le=2.0,
+        routes=CHAT_AND_RESPONSES)
+    # below 0.01 a seen token's logit is scaled past float range (inf, then NaN): no useful value lives there
+    repetition_penalty: float = request_field(
+        "on tokens of the prompt or the committed output (HF / vLLM)", default=1.0, ge=0.01, le=100.0,
+        routes=CHAT_AND_RESPONSES)
+    # route-shaped: a JSON object on the OpenAI routes
+    logit_bias: tuple[tuple[int, float], ...] = request_field(
+        f"(token id, -100..100), at most {MAX_LOGIT_BIAS} (OpenAI)", default=(), routes=frozenset({OPENAI}))
+    min_tokens: int = request_field("no EOS / stop token before this many output tokens (vLLM)", default=0, ge=0,
+                                    le=INT64_MAX, routes=CHAT_AND_RESPONSES)
     # Output text (SGLang's; the HTTP side's detokenizer applies them, the engine never sees them)
-    no_stop_trim: bool = False  # keep the matched stop string at the end of the text
-    skip_special_tokens: bool = True  # False: special tokens appear in the text
+    no_stop_trim: bool = request_field("keep the matched stop string at the end of the text", default=False,
+                                       routes=frozenset({OPENAI}))
+    skip_special_tokens: bool = request_field("false: special tokens appear in the text", default=True,
+                                              routes=frozenset({OPENAI}))
     # Structured output (SGLang's names, plus llguidance's Lark), at most one: the output must match it
-    # (engine/decoding/constrained.py). json_schema: the schema as JSON text (an object is accepted and serialised).
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None  # GBNF, as SGLang and llama.cpp write it
-    lark: str | None = None
+    # (engine/decoding/constrained.py). json_schema: the schema as JSON text (an object is accepted and serialised;
+    # the OpenAI routes take it as response_format).
+    json_schema: str | None = request_field("the output follows this JSON schema", min_length=1)
+    regex: str | None = request_field("the output matches this regular expression", min_length=1,
+                                      routes=frozenset({OPENAI}))
+    ebnf: str | None = request_field("the output follows this grammar (GBNF, as SGLang and llama.cpp write it)",
+                                     min_length=1, routes=frozenset({OPENAI}))
+    lark: str | None = request_field("the output follows this Lark grammar (llguidance)", min_length=1,
+                                     routes=frozenset({OPENAI}))
     # Watching the decoding (docs/denoise.md): an event per forward on a stream, and the step maps in meta_info
-    stream_denoise: bool = False
-    return_step_maps: bool = False
+    stream_denoise: bool = request_field("an event per forward on a stream (docs/denoise.md)", default=False,
+                                         routes=frozenset({OPENAI, RESPONSES, GENERATE_TOP}), dial=True)
+    return_step_maps: bool = request_field("the step maps in the answer (docs/denoise.md)", default=False,
+                                           routes=frozenset({OPENAI, RESPONSES, GENERATE_TOP}), dial=True)
     # "placement" (docs/rl.md): the step maps carry each token's log-probability in the forward that placed it,
     # and each edit's in the forward that made it (implies return_step_maps); None: the step maps without them
-    logprob_mode: str | None = None
+    logprob_mode: str | None = request_field(
+        "placement: the step maps carry placement log-probabilities (docs/rl.md)", choices=("placement",),
+        message='logprob_mode must be "placement" (or absent), got {value!r}', routes=frozenset({GENERATE_TOP}))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -215,61 +225,86 @@ class SamplingParams:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        def fail(msg: str, param: str) -> None:
-            raise SamplingParamsError(msg, param)
-
-        _validate_common(self)
-        # seed travels to the model runner as an int64 tensor: a larger value would crash its step.
-        if self.seed is not None and (not _is_int(self.seed) or not -INT64_MAX - 1 <= self.seed <= INT64_MAX):
-            fail("seed must be an integer in [-2^63, 2^63)", "seed")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            fail(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
-        if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_LEN for s in self.stop):
-            fail(f"stop strings must have 1 to {MAX_STOP_LEN} characters", "stop")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            fail(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
-        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
-            fail("stop_token_ids must hold token ids (integers >= 0)", "stop_token_ids")
-        if not isinstance(self.ignore_eos, bool):
-            fail("ignore_eos must be a boolean", "ignore_eos")
-        if not isinstance(self.logprobs, bool):
-            fail("logprobs must be a boolean", "logprobs")
-        for name in ("no_stop_trim", "skip_special_tokens", "stream_denoise", "return_step_maps"):
-            if not isinstance(getattr(self, name), bool):
-                fail(f"{name} must be a boolean", name)
-        if self.logprob_mode not in (None, "placement"):
-            fail(f"logprob_mode must be \"placement\" (or absent), got {self.logprob_mode!r}", "logprob_mode")
-        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
-            fail("top_logprobs must be an integer in [0, 20]", "top_logprobs")
-        if self.domain is not None and (not isinstance(self.domain, str) or len(self.domain) > MAX_DOMAIN_LEN):
-            fail(f"domain must be a string of at most {MAX_DOMAIN_LEN} characters", "domain")
-        if not _is_num(self.stutter_penalty) or not 0.0 <= self.stutter_penalty <= 100.0:
-            fail("stutter_penalty must be a number in [0, 100]", "stutter_penalty")
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if not _is_num(v) or not -2.0 <= v <= 2.0:
-                fail(f"{name} must be a number in [-2, 2]", name)
-        # below 0.01 a seen token's logit is scaled past float range (inf, then NaN): no useful value lives there
-        if not _is_num(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 100.0:
-            fail("repetition_penalty must be a number in [0.01, 100]", "repetition_penalty")
-        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:
-            fail(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases", "logit_bias")
-        for tok, bias in self.logit_bias:
-            if not _is_int(tok) or not 0 <= tok <= INT64_MAX or not _is_num(bias) or not -100.0 <= bias <= 100.0:
-                fail("logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]", "logit_bias")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
-            fail("min_tokens must be an integer >= 0", "min_tokens")
-        named = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
-        for name in named:
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                fail(f"{name} must be a non-empty string", name)
-        if len(named) > 1:
-            fail(f"at most one of {', '.join(GRAMMAR_FIELDS)} may be set; got {', '.join(named)}", named[1])
+        check_fields(self, FIELDS.values())  # the declared type and range of each field (protocol/fields.py)
+        _check_containers(self)
 
     @property
     def grammar(self) -> tuple[str, str] | None:
         """(field, source) of the request's output constraint, or None."""
         return next(((n, getattr(self, n)) for n in GRAMMAR_FIELDS if getattr(self, n) is not None), None)
+
+
+# ---- what the other places read of the declarations above ----------------------------------------------------
+FIELDS: dict[str, FieldSpec] = field_specs(SamplingParams)
+# the fields of the defaults chain (a Defaults level may set them), and those the mode presets set
+CHAINED: tuple[str, ...] = tuple(name for name, spec in FIELDS.items() if spec.chained)
+PRESET_FIELDS: tuple[str, ...] = tuple(name for name, spec in FIELDS.items() if spec.preset is not None)
+# mode -> its preset's values of PRESET_FIELDS (threshold, edit_threshold, max_post_steps)
+PRESETS: dict[str, tuple[Any, ...]] = {mode: tuple(FIELDS[n].preset[mode] for n in PRESET_FIELDS)  # type: ignore[index]
+                                       for mode in ("Q", "S")}
+# Level 4: what a request gets when no level names a value. max_new_tokens from here (or from any default
+# level) is capped by the context left after the prompt, so a default never makes a request too long. (The
+# decoder's built-in is "threshold": startup puts "levenshtein" in a level of its own for a checkpoint with
+# DELETE/SPLIT.)
+BUILTIN_DEFAULTS: dict[str, Any] = {name: spec.builtin for name, spec in FIELDS.items() if spec.builtin is not None}
+
+
+def check_fields(values: Any, specs: Any) -> None:
+    """SamplingParamsError naming the first field of `specs` whose value in `values` is outside its declared type
+    or range (the fields routes shape themselves, stop or logit_bias, are `_check_containers`' job)."""
+    for spec in specs:
+        if spec.scalar and (why := refusal(spec, getattr(values, spec.name))) is not None:
+            raise SamplingParamsError(why, spec.name)
+
+
+def _check_containers(p: SamplingParams) -> None:
+    def fail(msg: str, param: str) -> None:
+        raise SamplingParamsError(msg, param)
+
+    if len(p.stop) > MAX_STOP_STRINGS:
+        fail(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_LEN for s in p.stop):
+        fail(f"stop strings must have 1 to {MAX_STOP_LEN} characters", "stop")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        fail(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
+    if any(not is_int(t) or not 0 <= t <= INT64_MAX for t in p.stop_token_ids):
+        fail("stop_token_ids must hold token ids (integers >= 0)", "stop_token_ids")
+    if not isinstance(p.logit_bias, tuple) or len(p.logit_bias) > MAX_LOGIT_BIAS:
+        fail(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases", "logit_bias")
+    for tok, bias in p.logit_bias:
+        if not is_int(tok) or not 0 <= tok <= INT64_MAX or not is_num(bias) or not -100.0 <= bias <= 100.0:
+            fail("logit_bias maps token ids (integers >= 0) to numbers in [-100, 100]", "logit_bias")
+    named = [name for name in GRAMMAR_FIELDS if getattr(p, name) is not None]
+    if len(named) > 1:
+        fail(f"at most one of {', '.join(GRAMMAR_FIELDS)} may be set; got {', '.join(named)}", named[1])
+
+
+@dataclass(frozen=True)
+class Defaults(SamplingParams):
+    """One level of defaults below the request (operator flags, the checkpoint, or generation_config.json): a
+    SamplingParams that names only fields of the defaults chain (CHAINED); None = not set."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name not in CHAINED and getattr(self, f.name) != f.default:
+                raise SamplingParamsError(f"{f.name} is not a field of the defaults chain", f.name)
+        check_fields(self, (FIELDS[name] for name in CHAINED))
+
+    @classmethod
+    def from_generation_config(cls, raw: dict[str, Any]) -> "Defaults":
+        """The keys redraft reads from a checkpoint's generation_config.json (each field's `generation_config`:
+        `editing_threshold` is the diffusers spelling of edit_threshold); anything else there is ignored."""
+        values = {}
+        for name in CHAINED:
+            value = next((raw[k] for k in FIELDS[name].generation_config if raw.get(k) is not None), None)
+            if value is not None:
+                values[name] = value
+        if values.get("top_k") == 0:
+            values["top_k"] = -1  # HF's "off"
+        try:
+            return cls(**values)
+        except SamplingParamsError as exc:
+            raise ValueError(f"generation_config.json: {exc}") from exc
 
 
 def _logit_bias_pairs(raw: Any) -> tuple[tuple[int, float], ...]:
@@ -288,40 +323,10 @@ def _logit_bias_pairs(raw: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def _validate_common(p: SamplingParams | Defaults) -> None:
-    """Ranges of the fields a request and a defaults level share (None always passes)."""
-    def fail(msg: str, param: str) -> None:
-        raise SamplingParamsError(msg, param)
-
-    if p.max_new_tokens is not None and (not _is_int(p.max_new_tokens) or p.max_new_tokens < 1):
-        fail("max_new_tokens must be an integer >= 1", "max_new_tokens")
-    if p.temperature is not None and (not _is_num(p.temperature) or not 0.0 <= p.temperature <= 100.0):
-        fail("temperature must be a number in [0, 100]", "temperature")
-    if p.top_p is not None and (not _is_num(p.top_p) or not 0.0 < p.top_p <= 1.0):
-        fail("top_p must be in (0, 1]", "top_p")
-    if p.top_k is not None and (not _is_int(p.top_k) or not -1 <= p.top_k <= INT64_MAX):
-        fail("top_k must be an integer in [-1, 2^63) (-1 or 0 disables it)", "top_k")
-    if p.mode is not None and p.mode not in MODES:
-        fail(f"mode must be one of {', '.join(MODES)}, got {p.mode!r}", "mode")
-    for name in ("threshold", "edit_threshold"):
-        v = getattr(p, name)
-        if v is not None and (not _is_num(v) or not 0.0 <= v <= 1.0):
-            fail(f"{name} must be a number in [0, 1]", name)
-    if p.max_post_steps is not None and (not _is_int(p.max_post_steps) or not 0 <= p.max_post_steps <= 1024):
-        fail("max_post_steps must be an integer in [0, 1024]", "max_post_steps")
-    if p.mbe_window is not None and (not _is_int(p.mbe_window) or not 1 <= p.mbe_window <= MAX_MBE_WINDOW):
-        fail(f"mbe_window must be an integer in [1, {MAX_MBE_WINDOW}]", "mbe_window")
-    if p.decoder is not None and p.decoder not in DECODERS:
-        fail(f"decoder must be one of {', '.join(DECODERS)}, got {p.decoder!r}", "decoder")
-    for name in ("steps", "max_steps_per_block"):
-        v = getattr(p, name)
-        if v is not None and (not _is_int(v) or not 1 <= v <= MAX_STEPS):
-            fail(f"{name} must be an integer in [1, {MAX_STEPS}]", name)
-
-
 @dataclass(frozen=True)
 class ResolvedParams:
-    """Every value the decoding of one request uses, after `resolve`: nothing is left unset."""
+    """Every value the decoding of one request uses, after `resolve`: nothing is left unset. (The engine's view of
+    the request: the fields it reads, typed as it reads them; their ranges and defaults are SamplingParams'.)"""
 
     max_new_tokens: int
     temperature: float
@@ -349,7 +354,7 @@ class ResolvedParams:
     stream_denoise: bool = False  # an event per forward (scheduler/denoise_trace.py)
     return_step_maps: bool = False  # meta_info.step_maps
     placement_logprobs: bool = False  # logprob_mode "placement": the step maps carry placement log-probabilities
-    decoder: str = "threshold"  # "levenshtein": LLaDA2.2's insert/delete step (engine/decoding/levenshtein.py)
+    decoder: str = "threshold"  # a name of DECODER_TRAITS (engine/decoding/registry.py: its rule)
     steps: int = 32
     max_steps_per_block: int = 1000
 
@@ -369,6 +374,10 @@ class ResolvedParams:
                     or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens)
 
 
+# the request's own fields the engine reads as they are (no level of the chain sets them)
+_FROM_REQUEST = tuple(f.name for f in fields(ResolvedParams) if f.name in FIELDS and f.name not in CHAINED)
+
+
 def effective_mode(mode: str, domain: str | None) -> str:
     """S or Q: `auto` means S for the code and math domains, Q otherwise."""
     if mode == "auto":
@@ -376,10 +385,10 @@ def effective_mode(mode: str, domain: str | None) -> str:
     return mode
 
 
-def _mode_values(chain: Sequence[SamplingParams | Defaults], mode: str) -> dict[str, Any]:
-    """threshold, edit_threshold and max_post_steps: each from the highest level of `chain` that names it or a
-    mode (a named mode's preset wins over lower levels' values), else `mode`'s preset."""
-    decoding = dict(zip(("threshold", "edit_threshold", "max_post_steps"), PRESETS[mode]))
+def _mode_values(chain: Sequence[SamplingParams], mode: str) -> dict[str, Any]:
+    """PRESET_FIELDS (threshold, edit_threshold, max_post_steps): each from the highest level of `chain` that
+    names it or a mode (a named mode's preset wins over lower levels' values), else `mode`'s preset."""
+    decoding = dict(zip(PRESET_FIELDS, PRESETS[mode]))
     for name in decoding:
         for level in chain:
             if getattr(level, name) is not None:
@@ -390,10 +399,16 @@ def _mode_values(chain: Sequence[SamplingParams | Defaults], mode: str) -> dict[
     return decoding
 
 
+def _as_declared(name: str, value: Any) -> Any:
+    """A number as its field's kind (an int sent for a float field reads as a float)."""
+    kind = FIELDS[name].kind
+    return kind(value) if value is not None and kind in (int, float) else value
+
+
 def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_len: int = 0,
             max_model_len: int | None = None) -> ResolvedParams:
     """THE chain of defaults (module docstring): request, then each of `levels` in order, then the built-ins."""
-    chain: list[SamplingParams | Defaults] = [params, *levels]
+    chain: list[SamplingParams] = [params, *levels]
 
     def first(name: str) -> tuple[Any, bool]:
         """(value, whether the request itself set it)."""
@@ -407,39 +422,16 @@ def resolve(params: SamplingParams, levels: Sequence[Defaults] = (), *, prompt_l
     named_mode = next((level.mode for level in chain if level.mode is not None), None)
     mode = effective_mode(named_mode or DECODER_TRAITS[decoder].default_mode or BUILTIN_DEFAULTS["mode"],
                           params.domain)
-    decoding = _mode_values(chain, mode)
+    values = {name: getattr(params, name) for name in _FROM_REQUEST}
+    values.update({name: first(name)[0] for name in CHAINED if name != "mode" and name not in PRESET_FIELDS})
+    values.update(_mode_values(chain, mode))
+    values = {name: _as_declared(name, value) for name, value in values.items()}
     max_new, from_request = first("max_new_tokens")
     if not from_request and max_model_len is not None:
-        max_new = max(1, min(max_new, max_model_len - prompt_len))
-    top_k = first("top_k")[0]
-    return ResolvedParams(
-        max_new_tokens=int(max_new),
-        temperature=float(first("temperature")[0]),
-        top_p=float(first("top_p")[0]),
-        top_k=-1 if top_k == 0 else int(top_k),
-        seed=params.seed,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        mode=mode,
-        threshold=float(decoding["threshold"]),
-        edit_threshold=float(decoding["edit_threshold"]),
-        max_post_steps=int(decoding["max_post_steps"]),
-        mbe_window=int(first("mbe_window")[0]),
-        domain=params.domain,
-        logprobs=params.logprobs,
-        top_logprobs=params.top_logprobs,
-        stutter_penalty=float(params.stutter_penalty),
-        frequency_penalty=float(params.frequency_penalty),
-        presence_penalty=float(params.presence_penalty),
-        repetition_penalty=float(params.repetition_penalty),
-        logit_bias=tuple((t, float(b)) for t, b in params.logit_bias),
-        min_tokens=params.min_tokens,
-        grammar=params.grammar,
-        stream_denoise=params.stream_denoise,
-        return_step_maps=params.return_step_maps or params.logprob_mode == "placement",
-        placement_logprobs=params.logprob_mode == "placement",
-        decoder=decoder,
-        steps=int(first("steps")[0]),
-        max_steps_per_block=int(first("max_steps_per_block")[0]),
-    )
+        values["max_new_tokens"] = max(1, min(int(max_new), max_model_len - prompt_len))
+    if values["top_k"] == 0:
+        values["top_k"] = -1
+    placement = params.logprob_mode == "placement"
+    values.update(mode=mode, logit_bias=tuple((t, float(b)) for t, b in params.logit_bias), grammar=params.grammar,
+                  return_step_maps=params.return_step_maps or placement, placement_logprobs=placement)
+    return ResolvedParams(**values)

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from redraft.protocol.sampling_params import MAX_MBE_WINDOW, MODES, Defaults
+from redraft.protocol.sampling_params import FIELDS, MAX_MBE_WINDOW, MODES, Defaults
 
 DEFAULT_DOMAINS = ("code", "math", "chat")  # the metrics' `domain` label values unless --domains says otherwise
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -247,8 +247,10 @@ class ServerArgs:
         return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
 
     def request_defaults(self) -> Defaults:
-        """The operator's level of the defaults chain: only the flags that were given."""
-        return Defaults(mode=self.default_mode, max_new_tokens=self.default_max_tokens, mbe_window=self.mbe_window)
+        """The operator's level of the defaults chain: only the flags that were given (the request fields declared
+        with an `operator_flag`: default_mode, default_max_tokens, mbe_window)."""
+        return Defaults(**{name: getattr(self, spec.operator_flag) for name, spec in FIELDS.items()
+                           if spec.operator_flag})
 
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)

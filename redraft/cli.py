@@ -10,6 +10,9 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import Mapping
+
+    from redraft.protocol.fields import FieldSpec
     from redraft.protocol.server_args import ServerArgs
 
 
@@ -95,11 +98,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = engine.tokenizer.encode(args.prompt)
     else:
         prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    params = {}  # what the command line names; the engine resolves the rest (defaults chain)
-    for key in ("max_new_tokens", "temperature", "mode", "threshold", "edit_threshold", "max_post_steps", "decoder",
-                "steps", "max_steps_per_block"):
-        if getattr(args, key) is not None:
-            params[key] = getattr(args, key)
+    from redraft.protocol.sampling_params import FIELDS
+
+    # what the command line names; the engine resolves the rest (defaults chain)
+    params = {name: getattr(args, name) for name, spec in FIELDS.items() if spec.cli and getattr(args, name) is not None}
     if args.request_seed is not None:
         params["seed"] = args.request_seed
     printer = None
@@ -178,32 +180,30 @@ def _add_engine_commands(sub: "argparse._SubParsersAction") -> None:
 
 def _add_request_flags(gen: argparse.ArgumentParser) -> None:
     """`redraft generate`'s own flags: the prompt and its sampling parameters (docs/openai.md has them all)."""
+    from redraft.protocol.sampling_params import FIELDS
+
     gen.add_argument("prompt", help="the user's message (sent through the chat template unless --raw)")
     req = gen.add_argument_group("the request")
     req.add_argument("--raw", action="store_true", help="do not apply the chat template: the prompt is raw text")
-    req.add_argument("--max-new-tokens", type=int, default=None,
-                     help="output tokens at most (default: the checkpoint's generation_config.json, else 1024)")
-    req.add_argument("--temperature", type=float, default=None, help="0 (default): greedy, exact; > 0: sampled")
-    req.add_argument("--mode", choices=["S", "Q", "auto"], default=None,
-                     help="S: speed (threshold 0.5, edit threshold 0.0), Q: quality (0.7 / 0.5; the default), "
-                          "auto: S for code and math, else Q")
-    req.add_argument("--threshold", type=float, default=None, help="confidence above which a mask is drafted")
-    req.add_argument("--edit-threshold", type=float, default=None,
-                     help="confidence above which a drafted token is replaced (1.0: editing off)")
-    req.add_argument("--max-post-steps", type=int, default=None,
-                     help="editing forwards allowed after a block has no mask left")
-    req.add_argument("--decoder", choices=["levenshtein", "threshold"], default=None,
-                     help="LLaDA2.2: the insert/delete step (default on such a checkpoint) or LLaDA2.1's")
-    req.add_argument("--steps", type=int, default=None, help="the Levenshtein step's scheduled transfers per block")
-    req.add_argument("--max-steps-per-block", type=int, default=None, help="the Levenshtein step's hard cap")
+    add_request_flags(req)
     # dest request_seed: the request's sampling seed, never ServerArgs.seed (the seed of --load-format dummy weights)
-    req.add_argument("--seed", dest="request_seed", type=int, default=None,
-                     help="the request's sampling seed (temperature > 0)")
+    req.add_argument("--seed", dest="request_seed", type=int, default=None, help=FIELDS["seed"].help)
     out = gen.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the whole result as JSON")
     out.add_argument("--show-steps", action="store_true",
                      help="draw each forward on stderr: masks, drafts by confidence, edits (redrawn in place on a "
                           "terminal, one line per forward otherwise)")
+
+
+def add_request_flags(group: "argparse._ActionsContainer", specs: "Mapping[str, FieldSpec] | None" = None) -> None:
+    """A flag for each request field declared with `cli=True` (protocol/sampling_params.py SamplingParams): its
+    type, allowed values and help from the declaration; unset (None) leaves the field to the defaults chain."""
+    from redraft.protocol.sampling_params import FIELDS
+
+    for name, spec in (FIELDS if specs is None else specs).items():
+        if spec.cli:
+            group.add_argument(spec.flag, dest=name, type=None if spec.choices else spec.kind,
+                               choices=list(spec.choices) if spec.choices else None, default=None, help=spec.help)
 
 
 def _add_tool_commands(sub: "argparse._SubParsersAction", command: str | None) -> None:

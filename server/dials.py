@@ -17,22 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-# dial -> the type its value has (strings from `metadata` are parsed into it)
-DIALS: dict[str, type] = {
-    "mode": str,
-    "threshold": float,
-    "edit_threshold": float,
-    "max_post_steps": int,
-    "mbe_window": int,
-    "decoder": str,
-    "steps": int,
-    "max_steps_per_block": int,
-    "stutter_penalty": float,
-    "domain": str,
-    # watching the decoding (docs/denoise.md)
-    "stream_denoise": bool,
-    "return_step_maps": bool,
-}
+from redraft.server.request_fields import dial_types
+
+# dial -> the type its value has (strings from `metadata` are parsed into it): the request fields declared with
+# `dial=True` (protocol/sampling_params.py SamplingParams)
+DIALS: dict[str, type] = dial_types()
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
 
 

@@ -13,15 +13,16 @@ import logging
 import uuid
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
-from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
+from redraft.protocol.fields import GENERATE_TOP
+from redraft.protocol.sampling_params import FIELDS, SamplingParams, SamplingParamsError
 from redraft.server.common import (RETRY_AFTER, ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
                                    check_model, check_request_id, check_token_ids, client_rid, engine_error, engine_rid,
                                    error_response, run_all, run_until_disconnect, sse, sse_error, start_streams)
@@ -33,6 +34,7 @@ from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.openai_api import aborted_error
 from redraft.server.openai_protocol import reject_lone_surrogates, reject_loose_booleans
 from redraft.server.param_names import RouteNames, generate_names
+from redraft.server.request_fields import carried, pydantic_fields
 from redraft.server.routing import DepthCheckedRoute, State
 from redraft.server.structured import check_native_constraint
 
@@ -43,7 +45,10 @@ UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "return_bytes", "
 NULL_ONLY = ("image_data", "lora_path")  # what RL clients always send (docs/rl.md): accepted when null
 
 
-class GenerateBody(BaseModel):
+class _GenerateShaped(BaseModel):
+    """A /generate body less the request fields it carries at its top level as declared (`GenerateBody` adds
+    them: stream_denoise, return_step_maps, logprob_mode)."""
+
     model_config = ConfigDict(extra="forbid")
 
     text: str | list[str] | None = None
@@ -57,11 +62,6 @@ class GenerateBody(BaseModel):
     logprob_start_len: int = Field(default=-1, ge=-1)
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     return_text_in_logprobs: bool = False  # the third entry of each logprob tuple: the token's text
-    # watching the decoding (docs/denoise.md), top level as SGLang's return_* flags (or in sampling_params):
-    # an `event: denoise` per forward on a stream, meta_info.step_maps
-    stream_denoise: bool = False
-    return_step_maps: bool = False
-    logprob_mode: Literal["placement"] | None = None  # the step maps with placement log-probabilities (docs/rl.md)
     # what SGLang clients and sglang-router add (docs/scaling.md): `model` must name the served model; the
     # logging switches are no-ops; the features redraft lacks are accepted only when off
     model: str | None = None
@@ -87,6 +87,12 @@ class GenerateBody(BaseModel):
     def _plain_rid(cls, rid: str | None) -> str | None:
         return check_request_id(rid, "rid")
 
+
+
+# watching the decoding (docs/denoise.md) at the top level as SGLang's return_* flags (or in sampling_params): an
+# `event: denoise` per forward on a stream, meta_info.step_maps, placement log-probabilities (docs/rl.md)
+GenerateBody = create_model("GenerateBody", __base__=_GenerateShaped, __module__=__name__,
+                            **pydantic_fields(GENERATE_TOP))
 
 class AbortBody(BaseModel):
     """SGLang's AbortReq: a request by its id, or every request (`abort_all`)."""
@@ -274,11 +280,9 @@ def _sampling_params(body: GenerateBody, names: RouteNames) -> SamplingParams:
     check_logit_bias_keys(raw_params.get("logit_bias"), "sampling_params.logit_bias")
     if body.return_logprob:
         raw_params.update(logprobs=True, top_logprobs=body.top_logprobs_num)
-    for flag in ("stream_denoise", "return_step_maps"):
-        if getattr(body, flag):
-            raw_params[flag] = True
-    if body.logprob_mode is not None:
-        raw_params["logprob_mode"] = body.logprob_mode
+    for name in carried(GENERATE_TOP):  # given at the top level (a false flag there leaves sampling_params' own)
+        if getattr(body, name) != FIELDS[name].default:
+            raw_params[name] = getattr(body, name)
     if not body.stream:
         raw_params.pop("stream_denoise", None)  # events need a stream: a plain answer carries none
     try:

@@ -22,7 +22,8 @@ from fastapi.responses import StreamingResponse
 from redraft.engine.text.output_stream import OutputStream
 from redraft.engine.text.tokenizer import ChatTemplateError
 from redraft.protocol.errors import RequestError
-from redraft.protocol.sampling_params import SamplingParams, SamplingParamsError
+from redraft.protocol.fields import OPENAI
+from redraft.protocol.sampling_params import FIELDS, GRAMMAR_FIELDS, SamplingParams, SamplingParamsError
 from redraft.server.denoise import chat_event_chunk, completion_event_chunk, step_maps
 from redraft.server.likelihood_api import all_prompt_logprobs
 from redraft.server.common import (ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
@@ -30,6 +31,7 @@ from redraft.server.common import (ChoiceStream, ServerState, check_choice_count
                                    run_until_disconnect, sse, sse_error, start_streams)
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue, text_chars
 from redraft.server.param_names import CHAT, COMPLETIONS, RouteNames
+from redraft.server.request_fields import carried
 from redraft.server.routing import DepthCheckedRoute, State
 from redraft.server.structured import constraint_of
 from redraft.server.token_extras import prompt_logprobs_entries, stop_fields, truncate_prompt
@@ -66,42 +68,32 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"self", "template", "messages", "tools", "
 
 # ---- parameters ---------------------------------------------------------------------------------------
 
+# The request fields the OpenAI bodies carry as declared (server/request_fields.py), handed on as sent; the rest are
+# the route's: seeds per choice, the domain also from metadata, denoise events only on a stream, the constraint
+# from any of its spellings (server/structured.py).
+_AS_SENT = tuple(name for name in carried(OPENAI) if FIELDS[name].scalar
+                 and name not in ("seed", "domain", "stream_denoise", *GRAMMAR_FIELDS))
+
+
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, names: RouteNames, *, logprobs: bool,
                     top_logprobs: int, choice: int, constraint: dict[str, str] | None = None) -> SamplingParams:
     """The request's own values; whatever it leaves unset the engine resolves (sampling_params.resolve).
     `constraint`: its structured-output field (server/structured.py constraint_of); `names`: the route's
     names of the fields a refusal names."""
-    raw: dict[str, Any] = {
+    raw: dict[str, Any] = {name: getattr(req, name) for name in _AS_SENT if getattr(req, name) is not None}
+    raw.update({
         "max_new_tokens": req.requested_max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
         # n sampled choices must differ; wrapped so that seed 2^63 - 1 plus a choice index stays an int64
         "seed": None if req.seed is None else (req.seed + choice + 2**63) % 2**64 - 2**63,
         "stop": tuple(req.stop or ()),
         "stop_token_ids": tuple(req.stop_token_ids or ()),
-        "ignore_eos": req.ignore_eos,
-        "mode": req.mode,
-        "threshold": req.threshold,
-        "edit_threshold": req.edit_threshold,
-        "max_post_steps": req.max_post_steps,
-        "mbe_window": req.mbe_window,
-        "decoder": req.decoder,
-        "steps": req.steps,
-        "max_steps_per_block": req.max_steps_per_block,
         "domain": req.request_domain,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
         "logit_bias": req.logit_bias,
-        "no_stop_trim": req.no_stop_trim,
-        "skip_special_tokens": req.skip_special_tokens,
         "stream_denoise": req.stream_denoise and req.stream,
-        "return_step_maps": req.return_step_maps,
         **(constraint or {}),
-    }
-    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "stutter_penalty"):
-        if getattr(req, name) is not None:
-            raw[name] = getattr(req, name)
+    })
     try:
         return SamplingParams.from_dict(raw)
     except SamplingParamsError as exc:

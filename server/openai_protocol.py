@@ -8,10 +8,12 @@ import re
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from redraft.protocol.fields import OPENAI
+from redraft.protocol.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from redraft.server.dials import lift_dials, without_dials
-from redraft.protocol.sampling_params import MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from redraft.server.request_fields import pydantic_fields
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -284,35 +286,23 @@ class StructuredOutputs(Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class _Common(Strict):
-    """Fields shared by chat and completions, including the diffusion ones sent through `extra_body`."""
+class _CommonShaped(Strict):
+    """Fields shared by chat and completions that are the route's own, or that it shapes itself (`stop` as a string or
+    a list, `logit_bias` as an object, structured output's many spellings); `_Common` adds the request fields it
+    carries as declared (protocol/sampling_params.py `SamplingParams`, server/request_fields.py)."""
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
-    ignore_eos: bool = False
-    # logit controls (engine/decoding/logit_controls.py); the last three are vLLM's / SGLang's, sent through extra_body
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
-    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
-    min_tokens: int | None = Field(default=None, ge=0)
-    # structured output beyond response_format (SGLang's extras, and llguidance's Lark): docs/structured-output.md
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    # structured output beyond response_format (SGLang's extras regex / ebnf / lark are request fields): see
+    # docs/structured-output.md; vLLM's spellings are mapped onto the same constraints (server/structured.py)
     response_format: ResponseFormat | None = None
-    regex: str | None = Field(default=None, min_length=1)
-    ebnf: str | None = Field(default=None, min_length=1)
-    lark: str | None = Field(default=None, min_length=1)
-    stutter_penalty: float | None = Field(default=None, ge=0.0, le=100.0)
-    # vLLM's structured output spellings, mapped onto the same constraints (server/structured.py)
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = Field(default=None, min_length=1)
@@ -322,22 +312,7 @@ class _Common(Strict):
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    # diffusion (extra_body)
-    mode: Literal["S", "Q", "auto"] | None = None
-    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    edit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    max_post_steps: int | None = Field(default=None, ge=0, le=1024)
-    mbe_window: int | None = Field(default=None, ge=1, le=8)  # protocol.sampling_params.MAX_MBE_WINDOW
-    # LLaDA2.2 (docs/llada22.md): which step, and the Levenshtein step's schedule and hard cap
-    decoder: Literal["levenshtein", "threshold"] | None = None
-    steps: int | None = Field(default=None, ge=1, le=4096)  # protocol.sampling_params.MAX_STEPS
-    max_steps_per_block: int | None = Field(default=None, ge=1, le=4096)
-    domain: str | None = Field(default=None, max_length=64)
-    stream_denoise: bool = False  # an extra chunk per forward, with a `diffusion` event (docs/denoise.md)
-    return_step_maps: bool = False  # diffusion.step_maps in the response (docs/denoise.md)
     # SGLang's fields (its clients and sglang-router send them, mostly at their defaults): docs/scaling.md
-    no_stop_trim: bool = False  # keep the matched stop string in the text
-    skip_special_tokens: bool = True
     return_hidden_states: bool = False  # only false: hidden states are not returned
     separate_reasoning: bool = True  # no-ops: redraft has no reasoning parser, so there is nothing to separate
     stream_reasoning: bool = True
@@ -379,7 +354,14 @@ class _Common(Strict):
 
     @property
     def request_domain(self) -> str | None:
-        return self.domain or (self.metadata or {}).get("domain")
+        return self.domain or (self.metadata or {}).get("domain")  # type: ignore[attr-defined]
+
+
+# ... and the request fields the OpenAI routes carry (sampling, logit controls, the diffusion dials, SGLang's
+# output-text flags), made from their declarations (server/request_fields.py)
+_Common = create_model("_Common", __base__=_CommonShaped, __module__=__name__,
+                       __doc__="Fields shared by chat and completions, including the diffusion ones sent through "
+                               "`extra_body`.", **pydantic_fields(OPENAI, skip=_CommonShaped.model_fields))
 
 
 class ChatCompletionRequest(_Common):

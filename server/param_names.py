@@ -13,6 +13,7 @@ from typing import Mapping
 
 from redraft.protocol.errors import RequestError
 from redraft.protocol.sampling_params import SamplingParamsError
+from redraft.server.request_fields import openai_spellings
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class RouteNames:
         return RequestError(message, param=self.param(exc.param))
 
 
-_OPENAI_SPELLED = {"max_new_tokens": "max_tokens"}
+_OPENAI_SPELLED = openai_spellings()  # {"max_new_tokens": "max_tokens"}: each field's declared `openai_name`
 CHAT = RouteNames(engine={**_OPENAI_SPELLED, "input_ids": "messages"}, spelled=_OPENAI_SPELLED)
 COMPLETIONS = RouteNames(engine={**_OPENAI_SPELLED, "input_ids": "prompt"}, spelled=_OPENAI_SPELLED)
 PROMPT_LOGPROBS = RouteNames(engine={"input_ids": "prompt"})  # echo on completions, input logprobs on /generate

@@ -20,38 +20,39 @@ from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, model_validator
 
 from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
+from redraft.protocol.fields import OPENAI, RESPONSES
 from redraft.server.common import ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect
-from redraft.server.dials import DIALS
 from redraft.server.openai_api import (ChatStart, aborted, aborted_error, chat_logprobs, diffusion_stats,
                                        forced_tool_call, split_tool_output, start_chat)
 from redraft.server.openai_protocol import (MAX_TOP_LOGPROBS, ChatCompletionRequest, Strict, UnsupportedValue,
                                             drop_ignored_fields, merge_extra_body, reject_lone_surrogates,
                                             reject_loose_booleans)
+from redraft.server.request_fields import carried, pydantic_fields
 from redraft.server.routing import DepthCheckedRoute, State
 
 # Responses fields that change nothing here (besides the chat ones in openai_protocol.IGNORED_FIELDS)
 IGNORED = ("user", "metadata", "reasoning", "truncation", "prompt_cache_key", "max_tool_calls")
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the answer's logprobs
 # chat fields a Responses request may carry through extra_body, as vLLM allows
-CHAT_EXTRAS = ("seed", "top_k", "stop", "ignore_eos", "min_tokens", "frequency_penalty", "presence_penalty",
-               "repetition_penalty", "chat_template_kwargs", *DIALS)
+# (the request fields declared with the `responses` route: protocol/sampling_params.py SamplingParams)
+CHAT_EXTRAS = (*carried(RESPONSES), "chat_template_kwargs")
 TEXT_TYPES = ("input_text", "output_text", "text")
 # the stream event of one forward (or commit) under the `stream_denoise` dial (docs/denoise.md): a type of its
 # own, which SDKs pass through as an untyped event, so text deltas are unchanged for a client that ignores it
 DENOISE_EVENT = "response.diffusion.event"
 
 
-class ResponsesRequest(Strict):
+class _ResponsesShaped(Strict):
+    """A Responses body less the request fields it carries as declared (`ResponsesRequest` adds them)."""
+
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -85,6 +86,11 @@ class ResponsesRequest(Strict):
             data.pop(k, None)
         return {**data, "extras": extras}
 
+
+
+# temperature and top_p at the top level, as OpenAI's Responses has them (with the OpenAI routes' bounds)
+ResponsesRequest = create_model("ResponsesRequest", __base__=_ResponsesShaped, __module__=__name__,
+                                **pydantic_fields(OPENAI, only=("temperature", "top_p")))
 
 # ---- the request as a chat request -----------------------------------------------------------------------------
 def _text_of(content: Any, where: str) -> str:
