@@ -102,14 +102,15 @@ def test_release_is_refused_while_a_request_runs_and_updates_while_the_weights_a
 
 
 def test_graphs_are_dropped_with_what_they_captured_and_rebuilt_once_all_is_back(engine, want) -> None:
-    """The CUDA-graph path's static buffers (capture=False on CPU: the same buffers, unused here, since the graph
-    path needs the Triton kernels) go with any release of the KV cache or the weights and come back once
-    everything is resumed; while they are out the step runs eagerly. (That a recaptured graph gives the same
-    tokens is scripts/gpu_rl_check.py's, on a GPU.)"""
+    """The CUDA-graph path (capture=False on CPU: the same static buffers and in-graph decision, run eagerly) goes
+    with any release of the KV cache or the weights, and comes back as it was once everything is resumed; while
+    it is out the step runs eagerly. (That a recaptured CUDA graph gives the same tokens is
+    scripts/gpu_rl_check.py's, on a GPU.)"""
     runner = engine.core.runner
     runner.build_graphs(2, capture=False)
     try:
-        static = runner.graphs.static_bytes()
+        static, decides = runner.graphs.static_bytes(), runner.graphs.decides
+        on_graphs = _ids(engine)[0]  # the static path's answers
         r = engine.release_memory_occupation(["kv_cache"])
         assert runner.graphs is None and r["resident_bytes"]["cuda_graph"] == 0
         r = engine.resume_memory_occupation(["kv_cache"])
@@ -121,6 +122,7 @@ def test_graphs_are_dropped_with_what_they_captured_and_rebuilt_once_all_is_back
         assert runner.graphs is None  # not while the weights are out
         engine.resume_memory_occupation(["weights"])
         assert runner.graphs is not None and runner.graphs.static_bytes() == static
+        assert runner.graphs.decides == decides and _ids(engine)[0] == on_graphs
     finally:
         runner.graphs = None
 

@@ -63,7 +63,7 @@ class RankMemory:
         # (storage, its bytes on the host: [nbytes] uint8) for each weight storage, while the weights are released
         self._backup: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         self._kv: list[tuple[torch.UntypedStorage, int]] = []  # storage, its size, while the KV cache is released
-        self._graph_spec: tuple[int, bool] | None = None  # (max_bs, capture) of dropped graphs, to rebuild them
+        self._graph_spec: tuple[int, bool, bool] | None = None  # dropped graphs' (max_bs, capture, decide)
 
     # ---- what is resident --------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:
@@ -130,9 +130,8 @@ class RankMemory:
         if "cuda_graph" in tags:
             self.released.discard("cuda_graph")
         if not self.released and self._graph_spec is not None:
-            max_bs, capture = self._graph_spec
-            self._graph_spec = None
-            self.runner.build_graphs(max_bs, capture)  # type: ignore[attr-defined]
+            spec, self._graph_spec = self._graph_spec, None
+            self.runner.build_graphs(*spec)  # type: ignore[attr-defined]
         self._empty_cache()
 
     def _release_weights(self) -> None:
@@ -160,7 +159,7 @@ class RankMemory:
         graphs = getattr(self.runner, "graphs", None)
         if graphs is None:
             return
-        self._graph_spec = (graphs.max_bs, graphs.capture_graphs)
+        self._graph_spec = (graphs.max_bs, graphs.capture_graphs, bool(graphs.rules))
         if graphs.capture_graphs:
             torch.cuda.synchronize(self.device)
         graphs.reset()

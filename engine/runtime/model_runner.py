@@ -75,15 +75,16 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             self.build_graphs(cuda_graph_max_bs)
 
-    def build_graphs(self, max_bs: int, capture: bool = True) -> None:
+    def build_graphs(self, max_bs: int, capture: bool = True, decide: bool = True) -> None:
         """The denoising step's static buffers and, with `capture`, its CUDA graphs (at start-up, and again on
         /resume_memory_occupation: engine/runtime/memory_occupation.py); capture=False (CPU tests) runs the same
-        buffers eagerly. A capture that fails leaves the step eager, saying why in `graph_error`."""
+        buffers eagerly; `decide` as DecodeGraphs'. A capture that fails leaves the step eager, saying why in
+        `graph_error`."""
         if capture and (self.device.type != "cuda" or self.model.kernel_backend != "triton"):
             raise ValueError("CUDA graphs need device='cuda' and kernel_backend='triton'")
         from redraft.engine.runtime.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self, max_bs, capture)
+        graphs = DecodeGraphs(self, max_bs, capture, decide)
         try:
             graphs.capture()
             self.graphs, self.graph_error = graphs, None
