@@ -293,11 +293,11 @@ def build_engine(model_dir: Path, dtype: str, quantization: str | None, args, ma
     return engine
 
 
-def bench_step(args, cfg_name: str) -> list[dict]:
+def bench_step(args, cfg_name: str, rows: list[dict] | None = None, on_row=None) -> list[dict]:
     import bench_gpu_step as gs
 
     gs.DEVICE = DEVICE
-    rows = []
+    rows = [] if rows is None else rows
     dtype = "bfloat16" if DEVICE.type == "cuda" else "float32"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = gs.write_model_dir(Path(tmp) / f"llada2.1-{cfg_name}-dummy", cfg_name)
@@ -306,6 +306,8 @@ def bench_step(args, cfg_name: str) -> list[dict]:
             with step_probe.routing(args.routing, gs.BLOCK, args.seed):
                 row = _one_step(args, model_dir, dtype, quant, t0)
             rows.append(row)
+            if on_row:
+                on_row()
     return rows
 
 
@@ -520,7 +522,7 @@ def record_launches():
     names = {mt: ["_route_kernel", "_block_route_kernel", "_moe_count_kernel", "_moe_scan_kernel",
                   "_moe_scatter_kernel", "_moe_align_kernel", "_fused_moe_kernel", "_silu_mul_kernel",
                   "_moe_reduce_kernel", "_block_gemm_kernel"],
-             ft: ["_block_gemm_kernel"], nt: ["_add_rms_norm_kernel", "_qk_norm_rope_kernel"]}
+             ft: ["_block_gemm_kernel", "_quant_act_kernel"], nt: ["_add_rms_norm_kernel", "_qk_norm_rope_kernel"]}
     log: list = []
     saved = []
     for mod, ks in names.items():
@@ -573,7 +575,7 @@ def _report_cases():
     e, h, i, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     meta = torch.device("meta")
     cases = []
-    for t in (32, 512, 2048):
+    for t in (32, 64, 512, 2048):
         for fp8 in (False, True):
             wdt = FP8_DTYPE if fp8 else torch.bfloat16
             x = torch.empty(t, h, dtype=torch.bfloat16, device=meta)
@@ -732,23 +734,28 @@ def write_docs(text: str, path: Path = DOCS) -> None:
 DRY_RUN = dict(model="tiny", tokens=[32, 64], iters=1, warmup=0, context=40)
 
 
+def agreement_main(args) -> int:
+    """--fp8-agreement: token agreement (and, on a demo model, per-layer errors) printed as JSON."""
+    torch.set_num_threads(args.threads or min(4, torch.get_num_threads()))
+    res = fp8_agreement(args.prompts, args.max_new_tokens, path=args.agreement_model)
+    if args.agreement_model:  # per layer, on the model's own activations
+        from redraft.engine.text.tokenizer import Tokenizer
+        from redraft.training.tasks import eval_set, render_prompt
+
+        tok = Tokenizer.from_pretrained(args.agreement_model)
+        prompts = [tok.encode(render_prompt(ex, tok)) for ex in eval_set(7, 4)]
+        res["layers"] = fp8_layer_errors(args.agreement_model, prompts)
+    print(json.dumps(res, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     global DEVICE
     args = parse_args(argv)
     if args.compile_report:
         return compile_report()
     if args.fp8_agreement:
-        torch.set_num_threads(args.threads or min(4, torch.get_num_threads()))
-        res = fp8_agreement(args.prompts, args.max_new_tokens, path=args.agreement_model)
-        if args.agreement_model:  # per layer, on the model's own activations
-            from redraft.engine.text.tokenizer import Tokenizer
-            from redraft.training.tasks import eval_set, render_prompt
-
-            tok = Tokenizer.from_pretrained(args.agreement_model)
-            prompts = [tok.encode(render_prompt(ex, tok)) for ex in eval_set(7, 4)]
-            res["layers"] = fp8_layer_errors(args.agreement_model, prompts)
-        print(json.dumps(res, indent=2))
-        return 0
+        return agreement_main(args)
     args.tokens = [int(t) for t in str(args.tokens).split(",") if t]
     args.weights = [w for w in args.weights.split(",") if w]
     args.methods = [m for m in args.methods.split(",") if m]
@@ -780,12 +787,19 @@ def main(argv: list[str] | None = None) -> int:
             "act_dtype": "bfloat16" if DEVICE.type == "cuda" else "float32", "routing": args.routing,
             "block": args.block}
     layer = bench_layer(cfg, args, bw)
-    steps = [] if args.skip_step else bench_step(args, args.model)
+    steps: list[dict] = []
+
+    def dump() -> None:  # after the layer table and after each step: a phase cut short keeps what it measured
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"info": info, "moe": layer, "steps": steps}, indent=2))
+
+    dump()
+    if not args.skip_step:
+        bench_step(args, args.model, steps, dump)
     text = render(info, layer, steps)
     print()
     print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"info": info, "moe": layer, "steps": steps}, indent=2))
+    dump()
     if args.write_docs:
         write_docs(text, Path(args.docs_path))
     return 0

@@ -147,7 +147,7 @@ def step_roofline(cfg, batch: int, context: int, touched: list[float] | float, *
 # ---- per-kernel-class breakdown (torch.profiler) -------------------------------------------------------
 KERNEL_CLASSES = [  # first match wins; names of Triton kernels here, cuBLAS/CUTLASS/ATen names after
     ("attention", r"attn|attention|flash|split_kv|sdpa"),
-    ("moe", r"moe|_route|_block_route|_silu_mul|_align"),
+    ("moe", r"moe|_route|_block_route|_silu_mul|_align|_quant_act"),  # (_quant_act: the FP8 experts' input)
     ("norms/rotary", r"rms|norm|rope|rotary"),
     ("lm_head/top-1", r"top1|vocab"),
     ("gemms", r"gemm|gemv|cutlass|xmma|nvjet|sm90_|cublas|matmul|addmm|\bmm\b|aten::mm|aten::addmm|splitk"),

@@ -1,16 +1,26 @@
 """Triton block GEMM: bf16/fp16/fp32 or W8A8 with DeepSeek 128x128 weight blocks; dense or grouped by expert.
 
     fp8_linear_triton(x, weight, scale, seg_rows=None, bias=None) -> y      twin: kernels/fp8.py fp8_linear_torch
+    quantize_act_triton(x, f32_copy=False) -> (q, scale, x_f32)           twin: kernels/fp8.py quantize_act
 
 `_block_gemm_kernel` computes C[row] = A[row // A_DIV] @ W[e]^T for a tile of rows and a tile of output columns.
 Dense (GROUPED=False): rows are consecutive, one weight. Grouped (the unfused MoE path in kernels/moe_triton.py):
 rows come from the expert-sorted, tile-padded pair list and each tile reads its expert's weight (the shared
 expert, id `shared_id`, has its own tensors). With FP8=True the weight is e4m3 and the activation tile of every
-128-deep K step is quantised in registers, per row (= per token per 128-channel group, as `quantize_act`), so
-the product runs on e4m3 operands with an fp32 accumulator and both scales are applied per K step:
+128-deep K step is e4m3 too: quantised in registers per row (= per token per 128-channel group, as
+`quantize_act`), or read already quantised (PREQ: `quantize_act_triton` ran once per token before the GEMM,
+so no program re-quantises a row), so the product runs on e4m3 operands with an fp32 accumulator and both scales
+are applied per K step:
     acc += dot(q_a, q_w^T) * s_a[:, None] * s_w[None, :]
 K steps are 128 deep (or all of K when K <= 128), so every step is one activation group and one weight block
 column; weight rows pick their block row through the segment rule of kernels/fp8.py (`seg_rows`).
+
+Swap-AB (SWAP, tiles under 64 rows): Hopper's wgmma takes M in multiples of 64 per warpgroup and N from 8 to 256,
+so a decode-size tile of 16 or 32 rows as M falls back to mma.sync (HMMA; with e4m3 operands every weight element
+is widened to fp16 first). Swapped, the weight tile is the M operand and the rows are N:
+    acc^T [BLOCK_N, BLOCK_M] += dot(w, a^T)        (then transposed once, before the store)
+which is wgmma (HGMMA, QGMMA on e4m3 x e4m3) with no conversion. Only the order of the sums inside one K step
+may differ (the tensor cores' own), as between any two GEMM tilings.
 
 Interpreter (TRITON_INTERPRET=1, CPU; Triton 3.9): dot operands are upcast to fp32 (its tl.dot is wrong on
 bf16); its fp32 -> e4m3 cast rounds wrongly when the mantissa carries into the next binade (7.98 -> 4 instead
@@ -78,7 +88,8 @@ def _e4m3_grid(v):
     exp = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # below 2^-6 e4m3 is subnormal: a fixed step of 2^-9
     step = ((exp - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
     y = v / step  # exact (a power of two); |y| < 16
-    return ((y + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: round half to even in fp32
+    r = tl.abs(((y + 12582912.0) - 12582912.0) * step)  # 1.5 * 2^23: round half to even in fp32
+    return tl.where(bits < 0, -r, r)  # the sign of v, zeros included (-0.0 stays -0.0, as the GPU's cvt.rn)
 
 
 @_jit
@@ -95,23 +106,98 @@ def _quant_rows(a, INTERP: tl.constexpr):
     return q, scale
 
 
+@_jit
+def _quant_cols(a, INTERP: tl.constexpr):
+    """`_quant_rows` of a transposed tile: a [G, N] fp32, one quantisation group per column -> (q [G, N],
+    scale [N]). The same arithmetic, so the same bits as the row form."""
+    amax = tl.reduce(tl.abs(a), 0, _max_fn)
+    scale = tl.maximum(amax, 1e-10) / 448.0
+    v = tl.minimum(tl.maximum(a / scale[None, :], -448.0), 448.0)
+    if INTERP:
+        q = _e4m3_grid(v)
+    else:
+        q = v.to(tl.float8e4nv)
+    return q, scale
+
+
+@_jit
+def _dot(a, b, INTERP: tl.constexpr, IEEE: tl.constexpr):
+    """a [M, K] @ b [K, N] with an fp32 accumulator: exact fp32 products for fp32 operands (IEEE), the
+    tensor cores' own precision otherwise; upcast to fp32 when interpreting (its tl.dot is wrong on bf16)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+# ---- activations quantised once per token ---------------------------------------------------------------
+@_jit
+def _quant_act_kernel(
+    X, XF, Q, S,  # [M, K] activations; [M, K] fp32 copy (F32 only); [M, K] e4m3 out; [M, KB] fp32 scales out
+    n_rows, n_cols, stride_x, stride_f, stride_q, stride_s,
+    F32: tl.constexpr, BLOCK_R: tl.constexpr, INTERP: tl.constexpr,
+):
+    """One program per (BLOCK_R rows, 128-channel group): `quantize_act`'s numbers, and the rows in fp32 when
+    F32 (the router's input: a bf16 -> fp32 conversion is exact)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    r64 = rows.to(tl.int64)[:, None]
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if F32:
+        tl.store(XF + r64 * stride_f + cols[None, :], x, mask=mask)
+    q, scale = _quant_rows(x, INTERP)  # masked columns are zeros: the twin's zero padding of a partial group
+    tl.store(Q + r64 * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + rows.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=rows < n_rows)
+
+
+def quantize_act_triton(x: torch.Tensor, f32_copy: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [M, K] -> (q [M, K] e4m3, scale [M, ceil(K/128)] fp32, x in fp32 or None): `quantize_act` (twin:
+    kernels/fp8.py), bit for bit, in one launch. With f32_copy the same launch also writes x in fp32 (x itself
+    when it is fp32 already): the MoE's router reads that, so quantising the experts' input costs no launch of
+    its own (it replaces the router input's conversion). Launch-only on the host (CUDA-graph safe)."""
+    check_device(x)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"quantize_act_triton takes float32/float16/bfloat16 activations, got {x.dtype}")
+    m, k = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, cdiv(k, BLOCK), dtype=torch.float32, device=x.device)
+    write_f32 = f32_copy and x.dtype != torch.float32
+    xf = torch.empty(m, k, dtype=torch.float32, device=x.device) if write_f32 else (x if f32_copy else None)
+    if m:
+        interp = interpreting()
+        block_r = max(1, min(next_pow2(m), 64 if interp else 16))
+        f = xf if write_f32 else x
+        _quant_act_kernel[(triton.cdiv(m, block_r), cdiv(k, BLOCK))](
+            x, f, q, scale, m, k, x.stride(0), f.stride(0), q.stride(0), scale.stride(0),
+            F32=write_f32, BLOCK_R=block_r, INTERP=interp, num_warps=4)
+    return q, scale, xf
+
+
 # ---- the block GEMM -----------------------------------------------------------------------------------
 @_jit
 def _block_gemm_kernel(
-    A,  # [rows_a, K] activations (row stride stride_am, inner stride 1)
+    A,  # [rows_a, K] activations (row stride stride_am, inner stride 1); e4m3 when PREQ
+    AS,  # PREQ: [rows_a, KB] fp32 activation scales (row stride stride_asm); any tensor otherwise
     W,  # [E, N, K] or [N, K] weights (model dtype or e4m3), inner stride 1
     WS,  # [E, NB, KB] / [NB, KB] fp32 block scales (FP8); any tensor otherwise
     C,  # [M, N] output (row stride stride_cm)
     WSH, WSSH,  # grouped: the shared expert's weight [N, K] and scales (expert id == shared_id)
     Sorted, TileExpert, NumPost,  # grouped: row of each tile slot (>= M: padding), expert of each tile, #slots used
     M, N, K,
-    stride_am, stride_cm,
+    stride_am, stride_asm, stride_cm,
     stride_we, stride_wn,
     stride_se, stride_sn,
     seg_rows, seg_blocks, shared_id,
     A_DIV: tl.constexpr,  # A row = C row // A_DIV (grouped gate/up: pairs -> tokens)
     GROUPED: tl.constexpr,
     FP8: tl.constexpr,
+    PREQ: tl.constexpr,  # FP8 with A quantised already (quantize_act_triton): no quantisation in the K loop
+    SWAP: tl.constexpr,  # dot(w, a^T): the weight tile is the MMA's M operand (tiles under 64 rows)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -143,7 +229,10 @@ def _block_gemm_kernel(
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         s_row = (n // seg_rows) * seg_blocks + (n % seg_rows) // 128
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # C^T tile
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
@@ -151,22 +240,24 @@ def _block_gemm_kernel(
             w = tl.load(w_base + n[:, None].to(tl.int64) * stride_wn + kk[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if FP8:
-                aq, a_s = _quant_rows(a.to(tl.float32), INTERP)
+                if PREQ:
+                    a_s = tl.load(AS + a_rows * stride_asm + k0 // 128, mask=row_ok, other=0.0)
+                else:
+                    a, a_s = _quant_rows(a.to(tl.float32), INTERP)
                 w_s = tl.load(s_base + s_row * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-                if INTERP:
-                    part = tl.dot(aq, tl.trans(w.to(tl.float32)), input_precision="ieee")
+                if SWAP:
+                    acc += _dot(w, tl.trans(a), INTERP, False) * a_s[None, :] * w_s[:, None]
                 else:
-                    part = tl.dot(aq, tl.trans(w))
-                acc += part * a_s[:, None] * w_s[None, :]
+                    acc += _dot(a, tl.trans(w), INTERP, False) * a_s[:, None] * w_s[None, :]
+            elif SWAP:
+                acc += _dot(w, tl.trans(a), INTERP, IEEE)
             else:
-                if INTERP:
-                    a = a.to(tl.float32)
-                    w = w.to(tl.float32)
-                if IEEE:
-                    acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-                else:
-                    acc += tl.dot(a, tl.trans(w))
-        tl.store(C + rows[:, None] * stride_cm + n[None, :], _cast(acc, C.dtype.element_ty, INTERP),
+                acc += _dot(a, tl.trans(w), INTERP, IEEE)
+        if SWAP:
+            out = tl.trans(acc)
+        else:
+            out = acc
+        tl.store(C + rows[:, None] * stride_cm + n[None, :], _cast(out, C.dtype.element_ty, INTERP),
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -178,13 +269,18 @@ def gemm_config(m: int, n: int, k: int, fp8: bool, interp: bool) -> dict:
     else:
         block_k = min(64, max(16, next_pow2(k))) if not interp else min(128, max(16, next_pow2(k)))
     if interp:
-        return dict(BLOCK_M=max(16, min(128, next_pow2(m))), BLOCK_N=max(16, min(128, next_pow2(n))),
-                    BLOCK_K=block_k, num_warps=4, num_stages=1)
+        block_m = max(16, min(128, next_pow2(m)))
+        return dict(BLOCK_M=block_m, BLOCK_N=max(16, min(128, next_pow2(n))), BLOCK_K=block_k,
+                    SWAP=block_m < 64, num_warps=4, num_stages=1)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 128 if n >= 128 else max(16, next_pow2(n))
     if m <= 64 and n >= 1024:  # decode: more programs over N to stream the weight from more SMs
         block_n = 64
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3 if fp8 else 4)
+    # swap-AB under 64 rows: wgmma's M is 64 per warpgroup, so a 16/32-row tile as M runs on mma.sync (and, in
+    # FP8, widens every e4m3 weight to fp16 for it); as N (8..256) it runs on wgmma with the weight as M
+    swap = block_m < 64 and block_n >= 64
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, num_warps=4,
+                num_stages=3 if fp8 else 4)
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, seg_rows: int | None = None,
@@ -212,10 +308,10 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         cfg = gemm_config(m, n, k, fp8=True, interp=interpreting())
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
         _block_gemm_kernel[grid](
-            x2, weight, scale, out, weight, scale, scale, scale, scale,
-            m, n, k, x2.stride(0), out.stride(0), 0, weight.stride(0), 0, scale.stride(0),
+            x2, scale, weight, scale, out, weight, scale, scale, scale, scale,
+            m, n, k, x2.stride(0), 0, out.stride(0), 0, weight.stride(0), 0, scale.stride(0),
             r, cdiv(r, BLOCK), -1,
-            A_DIV=1, GROUPED=False, FP8=True, INTERP=interpreting(), IEEE=False, **cfg,
+            A_DIV=1, GROUPED=False, FP8=True, PREQ=False, INTERP=interpreting(), IEEE=False, **cfg,
         )
     y = out.reshape(*lead, n)
     if bias is not None:

@@ -29,8 +29,14 @@ Fused kernel (`_fused_moe_kernel`). One program per (tile of BLOCK_M pairs of on
 intermediate columns): gate and up GEMMs over all of H for that slice, SiLU(gate) * up in registers (rounded
 to the model dtype exactly where torch's swiglu rounds: the gate/up GEMM output, silu, the product), then the
 down GEMM of that slice for every BLOCK_N columns of H, stored as a partial [BLOCK_M, H] of the pair's
-expert output. With FP8 weights the activation is quantised in registers per 128 channels (the intermediate
-slice is one group) and both GEMMs run on e4m3 operands.
+expert output. With FP8 weights the activations are quantised once per token before the kernel
+(`quantize_act_triton`: e4m3 + one scale per 128 channels, `quantize_act`'s bits; in the layer it is the launch
+that also gives the router its fp32 input, so it costs none of its own) and every program reads them; the
+SwiGLU output is quantised in registers once per program (the slice is its one 128-channel group); both GEMMs
+run on e4m3 operands. Tiles under 64 rows are swapped (SWAP): `dot(w, a^T)` with the weight slice as wgmma's
+M (64 rows per warpgroup) and the tile's pairs as N (8-256), the accumulators held as [BLOCK_I, BLOCK_M] and
+transposed once before the store: wgmma (HGMMA; QGMMA on e4m3 x e4m3, no widening to fp16) instead of
+mma.sync, which 16/32-row tiles as M fall back to.
 
 Deterministic combine (`_moe_reduce_kernel`), chosen over atomics: partials go to Y [SLICES, P, H] (fp32 when
 the intermediate dim is split, else the model dtype); one program per (token tile, H tile) sums each pair's
@@ -44,9 +50,26 @@ shape that is ~2% of the expert bytes at 32 tokens, ~20% at 512 (fp32, 4 slices)
 "auto" method switches to the unfused sequence (one slice, model-dtype intermediates) once that share passes
 `FUSED_BUFFER_SHARE`.
 
-Small-token path: decode-size batches (few pairs per expert) use BLOCK_M = 16 and split the intermediate dim
-into BLOCK_I = 128 slices, so a 32-token block (~165 experts touched) still gives ~4 programs per SM, each
-streaming 1.5 MB of weights; larger batches use BLOCK_M = 32/64 (more rows per weight read).
+Small-token path and the grid. Decode-size batches use 16-row tiles (`fused_config`, the per-device table); the
+grid is 1-D, a tile's slices adjacent, so the programs of live tiles are all dispatched before those past
+NumPost (the grid is sized from T alone: at 32 tokens max_tiles = (288 + 257 * 15) / 16 = 259 tiles, ~165
+live), which exit at once. The slice width sets the program count. A 32-token block (288 pairs, top-8 + the
+shared expert) touches 256 * (1 - (1 - 8/256)^32) = 163 routed experts under uniform routing, one 16-row tile
+each, + 2 tiles of the shared expert's 32 pairs = ~165 live tiles:
+    bf16, BLOCK_I 64:  165 x 8 slices = 1320 programs = 10.0 x 132 SMs, 0.75 MB of weights each
+    bf16, BLOCK_I 128: 165 x 4 slices =  660 programs =  5.0 x 132 SMs, 1.5 MB each
+    FP8,  BLOCK_I 128: 165 x 4 slices =  660 programs =  5.0 x 132 SMs, 0.75 MB each (e4m3)
+Programs are equal work, so the hardware's greedy dispatch is already the best schedule for them (a persistent
+grid with a static stride would end the same way, one item per program at most past the mean); what can hang
+off the end is one program per SM: with routing's spread (+-6 experts, +-24 to 48 programs) a last partial
+round costs at most 1/10 of the kernel with 8 slices, 1/5 with 4. So bf16 splits 32-token batches into 64-wide
+slices (64 rows is exactly one warpgroup's wgmma M), paying a partial buffer of 8 x 288 x 2048 x 4 B written and
+read (38 MB, 3.6% of the 1.04 GB of experts); from 64 tokens on (226 tiles x 4 = 904 programs = 6.8 x 132) it
+goes back to 128-wide slices (8 would cost 75 MB, 5%). FP8 keeps 128 (the down GEMM's activation group must be
+whole in one program; its programs stream the same 0.75 MB as bf16's 64-wide ones). Occupancy (sm_90 compile
+report): the bf16 16-row program 72 registers and 72 KB of shared memory (3 per SM), FP8 184 registers and
+103 KB (2 per SM). Larger batches use BLOCK_M = 32/64 (more rows per weight read). Untimed: the GPU sweep
+(benchmarks/moe_config_sweep.py) measures these against their alternatives.
 
 Interpreter: dot operands upcast to fp32, tl.reduce with explicit combine functions (tl.max/tl.sum cost ~1 ms
 each there), big tiles (its cost is per operation, not per element).
@@ -62,8 +85,9 @@ from pathlib import Path
 import torch
 
 from redraft.kernels.fp8 import BLOCK, FP8_DTYPE, cdiv
-from redraft.kernels.fp8_triton import (HAS_TRITON, _block_gemm_kernel, _cast, _jit, _max_fn, _min_fn, _quant_rows,
-                                        _sum_fn, check_device, gemm_config, interpreting, next_pow2)
+from redraft.kernels.fp8_triton import (HAS_TRITON, _block_gemm_kernel, _cast, _dot, _jit, _max_fn, _min_fn,
+                                        _quant_cols, _quant_rows, _sum_fn, check_device, gemm_config, interpreting,
+                                        next_pow2, quantize_act_triton)
 from redraft.kernels.moe import compute_dtype, local_expert_ids
 
 if HAS_TRITON:
@@ -78,6 +102,7 @@ __all__ = ["route_triton", "route_logits_triton", "route_blocks_triton", "route_
 
 FUSED_BUFFER_SHARE = 0.15  # "auto": fused while its partial buffer traffic is under this share of expert bytes
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if HAS_TRITON else {}
 
 
 # ---- routing ------------------------------------------------------------------------------------------
@@ -455,28 +480,33 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared: bo
 # ---- fused experts --------------------------------------------------------------------------------------
 @_jit
 def _fused_moe_kernel(
-    X,  # [T, H] activations (row stride stride_xt)
+    X,  # [T, H] activations (row stride stride_xt); FP8: e4m3, quantised once per token (quantize_act_triton)
+    XS,  # FP8: [T, HB] fp32 activation scales (row stride stride_xst); any tensor otherwise
     W13, W2,  # [E, 2I, H] gate | up, [E, H, I] (model dtype or e4m3), rows contiguous
     S13, S2,  # FP8: [E, 2 * IB, HB], [E, HB, IB] fp32 block scales
     W13SH, W2SH, S13SH, S2SH,  # the shared expert (id shared_id): [2I, H], [H, I] and scales
     Sorted, TileExpert, NumPost,  # the plan (moe_align)
     Y,  # [SLICES, P, H] partial expert outputs
     n_pairs, hidden, inter, shared_id, i_blocks,
-    stride_xt,
+    stride_xt, stride_xst,
     stride_w13e, stride_w13n, stride_w2e, stride_w2n,
     stride_s13e, stride_s13n, stride_s2e, stride_s2n,
     stride_ys, stride_yp,
     K_OUT: tl.constexpr,
     FP8: tl.constexpr,
+    SWAP: tl.constexpr,  # dot(w, a^T): weight rows are the MMA's M (>= 64 for wgmma), the tile's pairs its N
+    SLICES: tl.constexpr,  # programs per tile (intermediate slices); program id = tile * SLICES + slice
     BLOCK_M: tl.constexpr,  # pairs per tile
-    BLOCK_I: tl.constexpr,  # intermediate columns per program (one FP8 activation group)
+    BLOCK_I: tl.constexpr,  # intermediate columns per program (FP8: one activation group, 128)
     BLOCK_K: tl.constexpr,  # H per step of the gate/up GEMM
     BLOCK_N: tl.constexpr,  # H per step of the down GEMM
+    DT: tl.constexpr,  # the model dtype (the activations' before quantisation): where swiglu rounds
     INTERP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    sl = tl.program_id(1)
+    pid = tl.program_id(0)
+    tile = pid // SLICES  # a tile's slices are neighbours in launch order; unused tiles all come last
+    sl = pid % SLICES
     if tile * BLOCK_M < tl.load(NumPost):
         expert = tl.load(TileExpert + tile)
         rows = tl.load(Sorted + tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # pair ids (>= P: padding)
@@ -495,11 +525,15 @@ def _fused_moe_kernel(
         i0 = sl * BLOCK_I
         icol = i0 + tl.arange(0, BLOCK_I)
         i_ok = icol < inter
-        dt = X.dtype.element_ty
+        ieee: tl.constexpr = IEEE and not FP8  # (a constexpr: else both dots are emitted, unpipelined)
 
-        # gate / up for this intermediate slice, over all of H
-        acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+        # gate / up for this intermediate slice, over all of H; swapped: the accumulators hold [BLOCK_I, BLOCK_M]
+        if SWAP:
+            acc_g = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+        else:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
         g_rows = icol.to(tl.int64)[:, None] * stride_w13n
         u_rows = (inter + icol).to(tl.int64)[:, None] * stride_w13n
         for k0 in range(0, hidden, BLOCK_K):
@@ -509,39 +543,36 @@ def _fused_moe_kernel(
             w_mask = i_ok[:, None] & k_ok[None, :]
             wg = tl.load(w13 + g_rows + kk[None, :], mask=w_mask, other=0.0)  # [BLOCK_I, BLOCK_K]
             wu = tl.load(w13 + u_rows + kk[None, :], mask=w_mask, other=0.0)
-            if FP8:
-                aq, a_s = _quant_rows(a.to(tl.float32), INTERP)
-                kb = k0 // 128
-                sg = tl.load(s13 + (icol // 128) * stride_s13n + kb, mask=i_ok, other=0.0)
-                su = tl.load(s13 + (i_blocks + icol // 128) * stride_s13n + kb, mask=i_ok, other=0.0)
-                if INTERP:
-                    pg = tl.dot(aq, tl.trans(wg.to(tl.float32)), input_precision="ieee")
-                    pu = tl.dot(aq, tl.trans(wu.to(tl.float32)), input_precision="ieee")
-                else:
-                    pg = tl.dot(aq, tl.trans(wg))
-                    pu = tl.dot(aq, tl.trans(wu))
-                acc_g += pg * a_s[:, None] * sg[None, :]
-                acc_u += pu * a_s[:, None] * su[None, :]
+            if SWAP:
+                pg = _dot(wg, tl.trans(a), INTERP, ieee)  # [BLOCK_I, BLOCK_M]
+                pu = _dot(wu, tl.trans(a), INTERP, ieee)
             else:
-                if INTERP:
-                    a = a.to(tl.float32)
-                    wg = wg.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                if IEEE:
-                    acc_g += tl.dot(a, tl.trans(wg), input_precision="ieee")
-                    acc_u += tl.dot(a, tl.trans(wu), input_precision="ieee")
+                pg = _dot(a, tl.trans(wg), INTERP, ieee)  # [BLOCK_M, BLOCK_I]
+                pu = _dot(a, tl.trans(wu), INTERP, ieee)
+            if FP8:  # one activation group and one weight block column per K step: both scales applied here
+                kb = k0 // 128
+                a_s = tl.load(XS + tok * stride_xst + kb, mask=row_ok, other=0.0)  # [BLOCK_M]
+                sg = tl.load(s13 + (icol // 128) * stride_s13n + kb, mask=i_ok, other=0.0)  # [BLOCK_I]
+                su = tl.load(s13 + (i_blocks + icol // 128) * stride_s13n + kb, mask=i_ok, other=0.0)
+                if SWAP:
+                    acc_g += pg * a_s[None, :] * sg[:, None]
+                    acc_u += pu * a_s[None, :] * su[:, None]
                 else:
-                    acc_g += tl.dot(a, tl.trans(wg))
-                    acc_u += tl.dot(a, tl.trans(wu))
+                    acc_g += pg * a_s[:, None] * sg[None, :]
+                    acc_u += pu * a_s[:, None] * su[None, :]
+            else:
+                acc_g += pg
+                acc_u += pu
 
         # SiLU(gate) * up in registers, rounded where torch's swiglu rounds (gate_up output, silu, product)
-        g = _cast(acc_g, dt, INTERP).to(tl.float32)
-        u = _cast(acc_u, dt, INTERP).to(tl.float32)
-        act = _cast(_cast(g / (1.0 + tl.exp(-g)), dt, INTERP).to(tl.float32) * u, dt, INTERP)  # [BLOCK_M, BLOCK_I]
-        if FP8:
-            act_q, act_s = _quant_rows(act.to(tl.float32), INTERP)
-        elif INTERP:
-            act = act.to(tl.float32)
+        g = _cast(acc_g, DT, INTERP).to(tl.float32)
+        u = _cast(acc_u, DT, INTERP).to(tl.float32)
+        act = _cast(_cast(g / (1.0 + tl.exp(-g)), DT, INTERP).to(tl.float32) * u, DT, INTERP)
+        if FP8:  # the down GEMM's input: one activation group per pair (the slice), quantised once here
+            if SWAP:
+                act, act_s = _quant_cols(act.to(tl.float32), INTERP)  # [BLOCK_I, BLOCK_M], [BLOCK_M]
+            else:
+                act, act_s = _quant_rows(act.to(tl.float32), INTERP)  # [BLOCK_M, BLOCK_I], [BLOCK_M]
 
         # down GEMM of this slice, BLOCK_N output columns at a time, into the pair's partial row
         y_rows = Y + sl * stride_ys + rows[:, None] * stride_yp
@@ -550,20 +581,18 @@ def _fused_moe_kernel(
             n_ok = nn < hidden
             wd = tl.load(w2 + nn.to(tl.int64)[:, None] * stride_w2n + icol[None, :],
                          mask=n_ok[:, None] & i_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_I]
+            if SWAP:
+                part = _dot(wd, act, INTERP, ieee)  # [BLOCK_N, BLOCK_M]
+            else:
+                part = _dot(act, tl.trans(wd), INTERP, ieee)  # [BLOCK_M, BLOCK_N]
             if FP8:
                 sd = tl.load(s2 + (nn // 128) * stride_s2n + i0 // 128, mask=n_ok, other=0.0)
-                if INTERP:
-                    part = tl.dot(act_q, tl.trans(wd.to(tl.float32)), input_precision="ieee")
+                if SWAP:
+                    part = part * act_s[None, :] * sd[:, None]
                 else:
-                    part = tl.dot(act_q, tl.trans(wd))
-                part = part * act_s[:, None] * sd[None, :]
-            else:
-                if INTERP:
-                    wd = wd.to(tl.float32)
-                if IEEE:
-                    part = tl.dot(act, tl.trans(wd), input_precision="ieee")
-                else:
-                    part = tl.dot(act, tl.trans(wd))
+                    part = part * act_s[:, None] * sd[None, :]
+            if SWAP:
+                part = tl.trans(part)  # the accumulator back to [pairs, H] once, for the store
             tl.store(y_rows + nn[None, :], _cast(part, Y.dtype.element_ty, INTERP), mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -666,11 +695,12 @@ class SharedExpert:
 # 2-3 stages; untimed here until a GPU sweep replaces them. Keys: the smallest token count an entry serves.
 MOE_CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 SEED_CONFIGS = {
-    "bf16": {1: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=2),
-             256: dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, num_stages=2),  # (4 warps spill: sm_90 report)
-             1024: dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=2)},
-    "fp8": {1: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=3),
-            256: dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, num_stages=3),
+    "bf16": {1: dict(BLOCK_M=16, BLOCK_I=64, BLOCK_K=128, num_warps=4, num_stages=2),  # 1 block: 8 slices
+             64: dict(BLOCK_M=16, BLOCK_I=128, BLOCK_K=128, num_warps=4, num_stages=2),
+             256: dict(BLOCK_M=32, BLOCK_I=128, BLOCK_K=128, num_warps=4, num_stages=2),
+             1024: dict(BLOCK_M=64, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=2)},
+    "fp8": {1: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=3),  # BLOCK_I: the activation group, 128
+            256: dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=3),
             1024: dict(BLOCK_M=64, BLOCK_K=128, num_warps=8, num_stages=2)},
 }
 _TABLES: dict[str, dict] = {}
@@ -681,13 +711,14 @@ def device_config_path(name: str) -> Path:
 
 
 def config_table(fmt: str) -> dict[int, dict]:
-    """{min tokens: launch options} for "bf16" / "fp8" on this process's GPU (its sweep's file, else the seeds)."""
+    """{min tokens: launch options} for "bf16" / "fp8" on this process's GPU: the seeds, with its sweep's file
+    entries over them (a sweep cut short by its time limit leaves the seeds serving the token counts it missed)."""
     if fmt not in _TABLES:
         table = dict(SEED_CONFIGS[fmt])
         if torch.cuda.is_available():
             path = device_config_path(torch.cuda.get_device_name())
             if path.exists():
-                table = {int(t): c for t, c in json.loads(path.read_text()).get(fmt, {}).items()} or table
+                table.update({int(t): c for t, c in json.loads(path.read_text()).get(fmt, {}).items()})
         _TABLES[fmt] = table
     return _TABLES[fmt]
 
@@ -704,11 +735,13 @@ def fused_config(n_tokens: int, k_out: int, n_experts: int, hidden: int, inter: 
                     BLOCK_N=min(256, max(16, next_pow2(hidden))), num_warps=4, num_stages=1, path="interpreter")
     table = config_table("fp8" if fp8 else "bf16")
     key = max([t for t in table if t <= n_tokens], default=min(table))
-    cfg = dict(BLOCK_I=block_i, BLOCK_N=128, **table[key])
-    if fp8:  # one activation group (128 channels) per K step
+    cfg = dict(dict(BLOCK_I=block_i, BLOCK_N=128), **table[key])
+    if fp8:  # one activation group (128 channels) per K step, and one per intermediate slice
         cfg["BLOCK_K"] = BLOCK if hidden > BLOCK else max(16, next_pow2(hidden))
+        cfg["BLOCK_I"] = block_i
     else:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, next_pow2(hidden)))
+        cfg["BLOCK_I"] = min(cfg["BLOCK_I"], max(16, next_pow2(inter)))
     cfg["path"] = "small" if cfg["BLOCK_M"] == 16 else "large"
     return cfg
 
@@ -747,9 +780,11 @@ def fused_moe(
     shared: SharedExpert | None = None,
     method: str = "auto",  # "fused" | "unfused" | "auto"
     config: dict | None = None,
+    x_q: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8: x quantised already (quantize_act_triton)
 ) -> torch.Tensor:  # [T, H] in x.dtype
     """sum_j w_j * SwiGLU_{e_j}(x) (+ SwiGLU_shared(x)): the fused kernel (or the unfused sequence), then the
-    deterministic combine. Launch-only on the host (no device->host sync): CUDA-graph safe."""
+    deterministic combine. With FP8 experts x is quantised once per token before the GEMMs (`x_q` when the
+    caller did it, else one launch here). Launch-only on the host (no device->host sync): CUDA-graph safe."""
     fp8 = _check_inputs(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, shared)
     t, k = topk_ids.shape
     e, two_i, hidden = w13.shape
@@ -764,11 +799,12 @@ def fused_moe(
         method = "fused" if use_fused(t, k_out, e, hidden, inter, fp8, x.element_size()) else "unfused"
     if method == "unfused":
         return unfused_moe(x, w13, w2, topk_ids, topk_weights, w13_scale=w13_scale, w2_scale=w2_scale,
-                           shared=shared, config=config)
+                           shared=shared, config=config, x_q=x_q)
     if method != "fused":
         raise ValueError(f"unknown MoE method {method!r} (fused, unfused or auto)")
-    cfg = dict(config or fused_config(t, k_out, n_exp, hidden, inter, fp8, interp))
+    cfg = dict(fused_config(t, k_out, n_exp, hidden, inter, fp8, interp), **(config or {}))
     cfg.pop("path", None)
+    cfg.setdefault("SWAP", cfg["BLOCK_M"] < 64)
     plan = moe_align(topk_ids, e, cfg["BLOCK_M"], shared=shared is not None)
     slices = triton.cdiv(inter, cfg["BLOCK_I"])
     y_dtype = torch.float32 if slices > 1 else x.dtype
@@ -785,16 +821,19 @@ def fused_moe(
     pairs = [(sh13, w13), (sh2, w2)] + ([(shs13, s13), (shs2, s2)] if fp8 else [])
     if any(shared_t.stride(0) != routed.stride(1) for shared_t, routed in pairs):
         raise ValueError("the shared expert's row strides must match the routed experts'")
-    grid = (plan.max_tiles, slices)
-    _fused_moe_kernel[grid](
-        x, w13, w2, s13, s2, sh13, sh2, shs13, shs2,
+    if fp8 and x_q is None:
+        x_q = quantize_act_triton(x)[:2]
+    a, a_s = (x_q[0], x_q[1]) if fp8 else (x, x)
+    _fused_moe_kernel[(plan.max_tiles * slices,)](
+        a, a_s, w13, w2, s13, s2, sh13, sh2, shs13, shs2,
         plan.sorted_pairs, plan.tile_expert, plan.num_post, y,
         plan.n_pairs, hidden, inter, e if shared is not None else -1, cdiv(inter, BLOCK),
-        x.stride(0),
+        a.stride(0), a_s.stride(0),
         w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
         s13.stride(0), s13.stride(1), s2.stride(0), s2.stride(1),
         y.stride(0), y.stride(1),
-        K_OUT=k_out, FP8=fp8, INTERP=interp, IEEE=x.dtype == torch.float32, **cfg,
+        K_OUT=k_out, FP8=fp8, SLICES=slices, DT=_TL_DTYPE[x.dtype], INTERP=interp, IEEE=x.dtype == torch.float32,
+        **cfg,
     )
     return _reduce(y, topk_ids, topk_weights, out, k_out, shared is not None)
 
@@ -803,9 +842,11 @@ def unfused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
     shared: SharedExpert | None = None, config: dict | None = None,
+    x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The unfused sequence over the same plan: grouped gate_up GEMM -> [P, 2I], activation -> [P, I], grouped
-    down GEMM -> [P, H] (model dtype), combine. Intermediates make one round trip through memory each."""
+    down GEMM -> [P, H] (model dtype), combine. Intermediates make one round trip through memory each. FP8: x
+    quantised once per token first (`x_q`, else here), the activation per K step inside the down GEMM."""
     fp8 = _check_inputs(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, shared)
     t, k = topk_ids.shape
     e, two_i, hidden = w13.shape
@@ -822,9 +863,14 @@ def unfused_moe(
     if config:
         cfg1.update(config)
         cfg2.update(config)
-    if interp:
+    if interp and not (config and "BLOCK_M" in config):
         cfg1["BLOCK_M"] = cfg2["BLOCK_M"] = max(16, min(64, next_pow2(p)))
     cfg2["BLOCK_M"] = cfg1["BLOCK_M"]
+    for c in (cfg1, cfg2):  # swap-AB under 64 rows, where the weight tile can be wgmma's M (>= 64 rows)
+        if not (config and "SWAP" in config):
+            c["SWAP"] = c["BLOCK_M"] < 64 and (interp or c["BLOCK_N"] >= 64)
+    if fp8 and x_q is None:
+        x_q = quantize_act_triton(x)[:2]
     plan = moe_align(topk_ids, e, cfg1["BLOCK_M"], shared=shared is not None)
     x = _rows_contig(x)
     w13, w2 = _rows_contig(w13), _rows_contig(w2)
@@ -837,11 +883,12 @@ def unfused_moe(
     shared_id = e if shared is not None else -1
     ieee = x.dtype == torch.float32
     gu = torch.empty(p, two_i, dtype=x.dtype, device=x.device)
+    a, a_s = (x_q[0], x_q[1]) if fp8 else (x, x)
     _block_gemm_kernel[(plan.max_tiles, triton.cdiv(two_i, cfg1["BLOCK_N"]))](
-        x, w13, s13, gu, sh13, shs13, plan.sorted_pairs, plan.tile_expert, plan.num_post,
-        p, two_i, hidden, x.stride(0), gu.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        inter, cdiv(inter, BLOCK), shared_id,
-        A_DIV=k_out, GROUPED=True, FP8=fp8, INTERP=interp, IEEE=ieee, **cfg1,
+        a, a_s, w13, s13, gu, sh13, shs13, plan.sorted_pairs, plan.tile_expert, plan.num_post,
+        p, two_i, hidden, a.stride(0), a_s.stride(0), gu.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), inter, cdiv(inter, BLOCK), shared_id,
+        A_DIV=k_out, GROUPED=True, FP8=fp8, PREQ=fp8, INTERP=interp, IEEE=ieee, **cfg1,
     )
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     block_r = 64 if interp else 16
@@ -851,10 +898,10 @@ def unfused_moe(
         num_warps=4)
     y = torch.empty(1, p, hidden, dtype=x.dtype, device=x.device)
     _block_gemm_kernel[(plan.max_tiles, triton.cdiv(hidden, cfg2["BLOCK_N"]))](
-        act, w2, s2, y[0], sh2, shs2, plan.sorted_pairs, plan.tile_expert, plan.num_post,
-        p, hidden, inter, act.stride(0), y.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        act, act, w2, s2, y[0], sh2, shs2, plan.sorted_pairs, plan.tile_expert, plan.num_post,
+        p, hidden, inter, act.stride(0), 0, y.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         hidden, cdiv(hidden, BLOCK), shared_id,
-        A_DIV=1, GROUPED=True, FP8=fp8, INTERP=interp, IEEE=ieee, **cfg2,
+        A_DIV=1, GROUPED=True, FP8=fp8, PREQ=False, INTERP=interp, IEEE=ieee, **cfg2,
     )
     return _reduce(y, topk_ids, topk_weights, out, k_out, shared is not None)
 
@@ -888,12 +935,19 @@ def moe_forward_triton(moe: torch.nn.Module, x: torch.Tensor, labels: torch.Tens
     `labels`), fused experts with the shared expert folded in, deterministic combine. `moe.moe_method` (default
     "auto") picks fused/unfused."""
     c = moe.cfg
-    topk_ids, topk_w = route_layer_triton(moe, x, labels)
+    x_q = None
+    router_x = x
+    if moe.w13.dtype == FP8_DTYPE and x.dtype in _SUPPORTED:
+        # the experts' input quantised once per token, in the launch that also gives the router its fp32 input
+        # (the conversion route_triton would do: the same values), so it costs no launch of its own
+        xq, xs, router_x = quantize_act_triton(x.reshape(-1, x.shape[-1]), f32_copy=True)
+        x_q = (xq, xs)
+    topk_ids, topk_w = route_layer_triton(moe, router_x, labels)
     topk_ids = local_expert_ids(topk_ids, moe.first_expert, moe.w13.shape[0], c.num_experts)
     shared = folded_shared(moe)
     out = fused_moe(x, moe.w13, moe.w2, topk_ids, topk_w, w13_scale=getattr(moe, "w13_scale", None),
                     w2_scale=getattr(moe, "w2_scale", None), shared=shared,
-                    method=getattr(moe, "moe_method", "auto"))
+                    method=getattr(moe, "moe_method", "auto"), x_q=x_q)
     if moe.shared is not None and shared is None:
         out = out + moe.shared(x)
     return out

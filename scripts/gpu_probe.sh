@@ -9,17 +9,20 @@
 # Phases (limit in seconds):
 #   setup 40         missing dependencies from local wheels (WHEELS), redraft importable from this checkout
 #   info 30          device, copy bandwidth, bf16 matmul rate                    -> info.json
-#   kernels 75       the new kernels' tests compiled (norms, QK-norm/rotary, split-KV, alignment, launch budget)
-#                                                                                -> kernels.xml
+#   kernels 75       the new kernels' tests compiled (norms, QK-norm/rotary, split-KV, alignment, launch budget,
+#                    swap-AB MoE tiles, activations quantised once per token)    -> kernels.xml
 #   step-uniform 100 the step at batch 1 / 8 / 64, uniform routing, random block, kernel-class breakdown
 #                                                                                -> step_uniform.json
 #   step-model 55    the same at batch 1 with the model's routing and an all-MASK block (the old, collapsed case)
 #                                                                                -> step_model.json
-#   moe-sweep 80     the fused MoE's configurations in CUDA graphs; writes kernels/moe_configs/<device>.json
+#   moe-sweep 80     the fused MoE's configurations in CUDA graphs (four per cell around the seeds, the unswapped
+#                    16-row tile among them), token counts outer, both formats per count; writes
+#                    kernels/moe_configs/<device>.json and moe_sweep.json after every cell
 #                                                                                -> moe_sweep.json
 #   attention 35     split-KV against the unsplit kernel and SDPA, contexts 1k and 8k, batch 1 / 8 / 64
 #                                                                                -> attention.json
-#   fp8 60           the MoE layer at 32 tokens and the batch-1 step, FP8 against bf16 -> fp8.json
+#   fp8 60           the MoE layer at 32 tokens and the batch-1 step, FP8 against bf16, with the swept table
+#                    (the layer's JSON written before the steps, then after each) -> fp8.json
 # step-uniform and step-model time the old decision (full logits, the step on the host) and the new one (inside
 # the graph) side by side.
 # ---- the decision inside the CUDA graph (issue 38 item 3; opt-in, it would take the call past 8 minutes):
@@ -39,7 +42,8 @@ done
 [ ${#phases[@]} -eq 0 ] && phases=(setup info kernels step-uniform step-model moe-sweep attention fp8)
 mkdir -p "$OUT"
 status="$OUT/status.txt"
-NEW_TESTS="tests/test_norm_kernels.py tests/test_launch_budget.py tests/test_attention_kernel.py tests/test_moe_kernel.py"
+NEW_TESTS="tests/test_norm_kernels.py tests/test_launch_budget.py tests/test_attention_kernel.py tests/test_moe_kernel.py
+  tests/test_fp8.py::test_quantize_act_triton_is_the_twin_bit_for_bit tests/test_fp8.py::test_fp8_moe_swapped_and_plain_16_row_tiles"
 STEP="benchmarks/bench_gpu_step.py --skip-prefill --profile --iters 20 --warmup 3"
 
 limit_of() {
@@ -58,10 +62,10 @@ command_of() {
 p = torch.cuda.get_device_properties(0); bw = g.measure_copy_bandwidth(10); mm = g.measure_matmul_rate(torch.bfloat16, 10);
 d = dict(device=torch.cuda.get_device_name(0), sms=p.multi_processor_count, torch=torch.__version__,
          copy_bw=bw, mm_rate=mm); print(d); json.dump(d, open(\"$OUT/info.json\", \"w\"))'" ;;
-        kernels) echo "$PY -m pytest -q -p no:cacheprovider -m 'kernels and not slow' -x --junitxml $OUT/kernels.xml $NEW_TESTS -k 'norm or launch or split or align or route or fused'" ;;
+        kernels) echo "$PY -m pytest -q -p no:cacheprovider -m 'kernels and not slow' -x --junitxml $OUT/kernels.xml $NEW_TESTS -k 'norm or launch or split or align or route or fused or quantize_act_triton'" ;;
         step-uniform) echo "$PY $STEP --routing uniform --block random --batches 1,8,64 --skip-attention --json-out $OUT/step_uniform.json" ;;
         step-model) echo "$PY $STEP --routing model --block mask --batches 1 --skip-attention --json-out $OUT/step_model.json" ;;
-        moe-sweep) echo "$PY benchmarks/moe_config_sweep.py --write --tokens 32,128,512,2048 --out $OUT/moe_sweep.json" ;;
+        moe-sweep) echo "$PY benchmarks/moe_config_sweep.py --write --tokens 32,128,512,2048 --iters 10 --out $OUT/moe_sweep.json" ;;
         attention) echo "$PY $STEP --batches 1,8,64 --attn-contexts 1024,8192 --skip-steps --json-out $OUT/attention.json" ;;
         fp8) echo "$PY benchmarks/bench_moe.py --tokens 32 --methods auto --json-out $OUT/fp8.json" ;;
         graph-decision) echo "$PY scripts/gpu_graph_decision_check.py --json-out $OUT/graph_decision.json" ;;

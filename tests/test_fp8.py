@@ -95,6 +95,29 @@ def test_activation_groups():
     assert rel(deq[[0, 1, 4]], x[[0, 1, 4]]) < 0.04
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_act_triton_is_the_twin_bit_for_bit(dtype):
+    """Activations quantised once per token before the MoE GEMMs (`quantize_act_triton`): the e4m3 bits and the
+    scales are `quantize_act`'s exactly, with partial groups (K 300), an all-zero token, negative values that
+    round to -0, values where rounding carries into the next binade, and the fp32 copy the router reads."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 300, generator=g) * torch.logspace(-3, 2, 37)[:, None]
+    x[3] = 0.0
+    x[4, :5] = torch.tensor([-1e-6, 1e-6, -0.0, 7.98, -7.98])
+    x[4, 5] = 448.0  # the group's amax: 7.98 / (448 / 448) sits just under 8 (the interpreter's cast slipped here)
+    x[6, 140] = 6e4  # one group's outlier
+    x = x.to(dtype).to(DEVICE)
+    got_q, got_s, got_f = ft.quantize_act_triton(x, f32_copy=True)
+    want_q, want_s = q.quantize_act(x)
+    assert got_q.dtype == q.FP8_DTYPE and got_q.shape == x.shape and got_s.shape == (37, 3)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_s, want_s)
+    assert got_f.dtype == torch.float32 and torch.equal(got_f, x.float())
+    assert (got_q[4, 0].view(torch.uint8) == 0x80) and (got_q[4, 3].float() == 8.0)  # -0 kept; the carry to 8
+    alone = ft.quantize_act_triton(x)
+    assert alone[2] is None and torch.equal(alone[0].view(torch.uint8), got_q.view(torch.uint8))
+
+
 # ---- W8A8 GEMM ----------------------------------------------------------------------------------------
 LINEARS = [  # m, n, k, seg: the tiny model's layers (hidden 64: one partial block), odd sizes, a mini-size K
     (37, 128, 64, None),  # qkv
@@ -207,6 +230,31 @@ def write_deepseek_fp8(src: Path, dst: Path) -> Path:
     raw["quantization_config"] = dict(q.QUANT_CONFIG_KEYS)
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
     return dst
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_moe_swapped_and_plain_16_row_tiles(swap, dtype, method):
+    """16-row tiles in both orientations: swap-AB (dot(w, a^T), the weight as the 64-row wgmma operand: what the
+    GPU runs under 64 rows) and a @ w^T. Each equals the dequantising twin (only the order of a GEMM's own sums
+    may differ), with I = 192 (two slices, the second partial) and H = 160 (two K steps, the second partial)."""
+    t, h, i, e, k = 11, 160, 192, 4, 2
+    x, w13, w2, sg, sd, ids, wts = _moe(t, h, i, e, k, seed=23)
+    q13, s13 = q.quantize_weight(w13, i)
+    q2, s2 = q.quantize_weight(w2)
+    qg, ssg = q.quantize_weight(sg, i)
+    qd, ssd = q.quantize_weight(sd)
+    q13, s13, q2, s2, qg, ssg, qd, ssd = (z.to(DEVICE) for z in (q13, s13, q2, s2, qg, ssg, qd, ssd))
+    x_d, ids, wts = x.to(dtype).to(DEVICE), ids.to(DEVICE), wts.to(DEVICE)
+    config = dict(BLOCK_M=16, SWAP=swap)
+    if method == "fused":
+        config.update(BLOCK_I=128, BLOCK_K=128, BLOCK_N=64, num_warps=4, num_stages=1)
+    got = mt.fused_moe(x_d, q13, q2, ids, wts, w13_scale=s13, w2_scale=s2, shared=mt.SharedExpert(qg, qd, ssg, ssd),
+                       method=method, config=config)
+    twin = q.moe_experts_fp8_torch(x_d, q13, s13, q2, s2, ids, wts) + q.swiglu_fp8_torch(x_d, qg, ssg, qd, ssd)
+    assert not got.isnan().any()
+    assert rel(got, twin) < (FP8_FP32_TOL if dtype == torch.float32 else 1e-2)
 
 
 def test_deepseek_fp8_checkpoint_loads_like_quantize_at_load(tiny, tmp_path):

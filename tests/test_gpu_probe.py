@@ -48,3 +48,20 @@ def test_moe_config_sweep_dry_run(tmp_path):
     res = json.loads(out.read_text())
     assert set(res["table"]["bf16"]) == {"32", "64"}
     assert all(r["ok"] for r in res["results"])
+
+
+@pytest.mark.kernels
+def test_sweep_short_list_starts_at_the_seeds():
+    """Each cell of the probe's short sweep times the seed configuration first, so the table it writes is never worse
+    than the seeds on that device; the 16-row cells include an unswapped tile (swap-AB's A/B)."""
+    sweep = bench_module("moe_config_sweep")
+    from redraft.kernels import moe_triton as mt
+
+    for fmt in ("bf16", "fp8"):
+        for t in (32, 64, 128, 512, 2048):
+            seeds = mt.SEED_CONFIGS[fmt]
+            seed = seeds[max(k for k in seeds if k <= t)]
+            cands = sweep.candidates(fmt, t)
+            assert cands[0] == seed, (fmt, t)
+            assert len(cands) <= 4
+        assert any(c.get("SWAP") is False and c["BLOCK_M"] == 16 for c in sweep.candidates(fmt, 32))

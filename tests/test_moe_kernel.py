@@ -235,14 +235,28 @@ def test_experts_match_torch(t, h, i, e, k, dtype, method, poisoned_buffers):
     assert rel(alone, moe_experts_torch(x, w13, w2, ids, wts)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_split_intermediate(dtype, poisoned_buffers):
+def test_fused_split_intermediate(dtype, swap, poisoned_buffers):
     """The GPU's small-token configuration forced here: 16-row tiles, the intermediate dim in 4 slices of 16
-    (partials in fp32, summed in the combine), H in 32-column steps."""
+    (partials in fp32, summed in the combine), H in 32-column steps; both orientations of the dots (swap-AB:
+    dot(w, a^T), the GPU's choice under 64 rows, and a @ w^T)."""
     x, w13, w2, sg, sd, ids, wts = _weights(20, 64, 64, 8, 2, dtype, seed=5)
-    cfg = dict(BLOCK_M=16, BLOCK_I=16, BLOCK_K=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    cfg = dict(BLOCK_M=16, BLOCK_I=16, BLOCK_K=32, BLOCK_N=32, SWAP=swap, num_warps=4, num_stages=1)
     want = moe_experts_torch(x, w13, w2, ids, wts) + swiglu(x, sg, sd)
     got = mt.fused_moe(x, w13, w2, ids, wts, shared=mt.SharedExpert(sg, sd), method="fused", config=cfg)
+    assert not got.isnan().any()
+    assert rel(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unfused_16_row_tiles_both_orientations(dtype, swap, poisoned_buffers):
+    """The unfused grouped GEMMs on 16-row tiles, swapped (the weight tile as M) and not, against the twin."""
+    x, w13, w2, sg, sd, ids, wts = _weights(9, 48, 80, 6, 3, dtype, seed=8)
+    want = moe_experts_torch(x, w13, w2, ids, wts) + swiglu(x, sg, sd)
+    got = mt.fused_moe(x, w13, w2, ids, wts, shared=mt.SharedExpert(sg, sd), method="unfused",
+                       config=dict(BLOCK_M=16, SWAP=swap))
     assert not got.isnan().any()
     assert rel(got, want) < TOL[dtype]
 
@@ -494,9 +508,11 @@ def test_bench_moe_without_cuda_says_so():
 
 @pytest.mark.slow
 def test_moe_kernels_compile_for_hopper_without_spills():
-    """Every MoE/FP8 kernel launch (mini shape, 32/512/2048 tokens, bf16 and FP8) compiled ahead of time for
-    sm_90 with the JIT's specialisations: no stack, no local memory; wgmma where tiles are 64 rows."""
+    """Every MoE/FP8 kernel launch (mini shape, 32/64/512/2048 tokens, bf16 and FP8) compiled ahead of time for
+    sm_90 with the JIT's specialisations: no stack, no local memory; every GEMM on wgmma, the 16- and 32-row tiles
+    included (swap-AB): HGMMA in bf16, QGMMA (e4m3 x e4m3, no conversion to fp16) in FP8, never mma.sync."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))  # this checkout's redraft
     from bench_scripts import bench_script
 
     proc = subprocess.run([sys.executable, bench_script("bench_moe"), "--compile-report"],
@@ -511,8 +527,13 @@ def test_moe_kernels_compile_for_hopper_without_spills():
         if "_moe_scan_kernel" not in line and "_moe_align_kernel" not in line:  # (the scans keep a 64-byte stack
             # frame, no local loads/stores)
             assert " stack 0 " in line, line
-    assert any("T=2048 fp8 fused _fused_moe_kernel" in line and "QGMMA" in line for line in lines)
-    assert any("T=2048 bf16 fused _fused_moe_kernel" in line and "HGMMA" in line for line in lines)
+    gemms = [line for line in lines if "_fused_moe_kernel" in line or "_block_gemm_kernel" in line]
+    for line in gemms:
+        assert line.rsplit(" mma ", 1)[1] == ("QGMMA" if " fp8 " in line else "HGMMA"), line
+    for tag in ("T=32 bf16 fused _fused_moe_kernel {'BLOCK_M': 16", "T=32 fp8 fused _fused_moe_kernel {'BLOCK_M': 16",
+                "T=32 bf16 unfused _block_gemm_kernel {'BLOCK_M': 16", "T=32 fp8 unfused _block_gemm_kernel {'BLOCK_M': 16",
+                "T=2048 fp8 fused _fused_moe_kernel {'BLOCK_M': 64", "T=2048 bf16 fused _fused_moe_kernel {'BLOCK_M': 64"):
+        assert any(tag in line for line in gemms), tag
 
 
 def test_config_table_by_token_count(tmp_path, monkeypatch):
@@ -521,6 +542,9 @@ def test_config_table_by_token_count(tmp_path, monkeypatch):
     monkeypatch.setattr(mt, "_TABLES", {})
     small = mt.fused_config(32, 9, 257, 2048, 512, False, False)
     assert (small["BLOCK_M"], small["BLOCK_K"], small["num_warps"], small["num_stages"]) == (16, 128, 4, 2)
+    assert small["BLOCK_I"] == 64 and mt.fused_config(64, 9, 257, 2048, 512, False, False)["BLOCK_I"] == 128
+    fp8 = mt.fused_config(32, 9, 257, 2048, 512, True, False)
+    assert (fp8["BLOCK_I"], fp8["num_warps"]) == (128, 4)  # one activation group per slice, one warpgroup
     assert mt.fused_config(512, 9, 257, 2048, 512, False, False)["BLOCK_M"] == 32
     assert mt.fused_config(32, 9, 257, 2048, 512, True, False)["BLOCK_K"] == 128  # FP8: one activation group
     path = tmp_path / "NVIDIA_Test_GPU.json"
@@ -529,7 +553,9 @@ def test_config_table_by_token_count(tmp_path, monkeypatch):
     monkeypatch.setattr(mt, "MOE_CONFIG_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Test GPU")
-    tuned = mt.fused_config(64, 9, 257, 2048, 512, False, False)
+    tuned = mt.fused_config(40, 9, 257, 2048, 512, False, False)
     assert (tuned["BLOCK_M"], tuned["BLOCK_K"], tuned["num_warps"], tuned["num_stages"]) == (32, 64, 8, 3)
+    assert mt.fused_config(16, 9, 257, 2048, 512, False, False)["BLOCK_M"] == 16  # under the file's keys: seeds
+    assert mt.fused_config(512, 9, 257, 2048, 512, False, False)["BLOCK_K"] == 128  # a key the file lacks: seeds
     assert mt.fused_config(16, 9, 257, 2048, 512, True, False)["BLOCK_M"] == 16  # no fp8 entry: the seeds
     monkeypatch.setattr(mt, "_TABLES", {})

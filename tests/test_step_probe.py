@@ -68,7 +68,7 @@ def test_roofline_counts_compute_bound_classes_at_their_flops():
 
 @pytest.mark.parametrize("name, cls", [
     ("_block_causal_attn_kernel", "attention"), ("_split_kv_attn_kernel", "attention"),
-    ("_fused_moe_kernel", "moe"), ("_moe_align_kernel", "moe"), ("_route_kernel", "moe"),
+    ("_fused_moe_kernel", "moe"), ("_moe_align_kernel", "moe"), ("_route_kernel", "moe"), ("_quant_act_kernel", "moe"),
     ("_add_rms_norm_kernel", "norms/rotary"), ("_qk_norm_rope_kernel", "norms/rotary"),
     ("_vocab_top1_kernel", "lm_head/top-1"), ("nvjet_tst_128x64_64x4_1x2_h_bz_TNT", "gemms"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32", "gemms"),
