@@ -387,6 +387,30 @@ def test_fp8_layer_routes_by_block(tiny_checkpoint, backend):
     assert rel(got, want) < FP8_FP32_TOL
 
 
+def test_fp8_moe_layer_in_bf16_on_triton_equals_the_torch_twin(tiny_checkpoint):
+    """The FP8 MoE layer with bf16 activations on kernel_backend="triton": one launch quantises the experts' input
+    per token and writes the router's fp32 input, which is the torch router's (so the same experts are picked),
+    and the layer equals moe_forward_fp8_torch (+ the shared expert) to bf16 rounding."""
+    from redraft.engine.model.config import ModelConfig
+    from redraft.engine.model.loader import load_model
+    from redraft.kernels.moe import route_layer_torch
+
+    path = tiny_checkpoint(seed=1)
+    cfg = ModelConfig.from_pretrained(path)
+    model = load_model(path, cfg, dtype=torch.bfloat16, device=DEVICE, quantization="fp8", progress=False)
+    moe = model.layers[1].mlp
+    x = torch.randn(45, cfg.hidden_size, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
+    with torch.inference_mode():
+        _, _, x32 = ft.quantize_act_triton(x, f32_copy=True)
+        assert torch.equal(x32, x.float())
+        assert torch.equal(mt.route_layer_triton(moe, x32, None)[0], route_layer_torch(moe, x, None)[0])
+        model.set_kernel_backend("torch")
+        want = moe(x)
+        model.set_kernel_backend("triton")
+        got = moe(x)
+    assert got.dtype == torch.bfloat16 and rel(got, want) < 1e-2
+
+
 def test_cli_quantization_flag(tiny, capsys):
     from redraft.cli import main
 

@@ -64,3 +64,6 @@ def test_decoding_forward_fits_the_launch_budget(quantization, routing, bs):
         assert op not in names, op
     # the router GEMM: its weight converted to fp32 once at load, only the activations per forward
     assert names["aten._to_copy"] <= 2
+    if quantization == "fp8":  # the experts' input quantised once per token, in the launch that gives the router
+        # its fp32 input (so no conversion of its own): one per MoE layer, nothing added
+        assert names["_quant_act_kernel"] == 2 and "aten._to_copy" not in names
