@@ -536,6 +536,27 @@ def test_moe_kernels_compile_for_hopper_without_spills():
         assert any(tag in line for line in gemms), tag
 
 
+def test_one_block_grid_is_whole_waves_on_132_sms(monkeypatch):
+    """The docstring's grid arithmetic (kernels/moe_triton.py), counted: a 32-token block under uniform routing
+    (8 distinct random experts of 256 per token, + the shared expert's 32 pairs) gives ~165 live 16-row tiles;
+    with the seeds' slices that is ~1320 bf16 programs (10 per SM of an H100/H200's 132) and ~660 FP8 ones (5)."""
+    monkeypatch.setattr(mt, "_TABLES", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the seeds, whatever device runs this
+    g = torch.Generator().manual_seed(0)
+    live = []
+    for _ in range(20):
+        ids = torch.stack([torch.randperm(256, generator=g)[:8] for _ in range(32)])
+        counts = torch.bincount(ids.flatten(), minlength=256)
+        live.append(int((-(-counts // 16)).sum()) + 2)  # + the shared expert: 32 pairs, two 16-row tiles
+    mean = sum(live) / len(live)
+    assert 160 <= mean <= 170 and max(live) - min(live) < 30, live
+    for fp8, waves in ((False, 10), (True, 5)):
+        cfg = mt.fused_config(32, 9, 257, 2048, 512, fp8, False)
+        assert cfg["BLOCK_M"] == 16
+        programs = mean * (512 // cfg["BLOCK_I"])
+        assert abs(programs / 132 - waves) < 0.25, (fp8, programs)
+
+
 def test_config_table_by_token_count(tmp_path, monkeypatch):
     """The fused kernel's launch options come from the device's sweep file when there is one, else the seeds, by the
     largest token key <= the batch's tokens."""
