@@ -105,7 +105,7 @@ class SamplingParams:
     top_k: int | None = request_field(
         "sample among the k most likely tokens (-1 or 0: all)", ge=-1, le=INT64_MAX,
         message="top_k must be an integer in [-1, 2^63) (-1 or 0 disables it)", routes=CHAT_AND_RESPONSES,
-        builtin=-1, generation_config=("top_k",))
+        openai={"le": None}, builtin=-1, generation_config=("top_k",))  # (past int64: the message above answers)
     seed: int | None = request_field(
         "the request's sampling seed (temperature > 0)", ge=-INT64_MAX - 1, le=INT64_MAX,
         message="seed must be an integer in [-2^63, 2^63)", routes=CHAT_AND_RESPONSES)
@@ -167,7 +167,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = request_field(
         f"(token id, -100..100), at most {MAX_LOGIT_BIAS} (OpenAI)", default=(), routes=frozenset({OPENAI}))
     min_tokens: int = request_field("no EOS / stop token before this many output tokens (vLLM)", default=0, ge=0,
-                                    le=INT64_MAX, routes=CHAT_AND_RESPONSES)
+                                    le=INT64_MAX, routes=CHAT_AND_RESPONSES, openai={"le": None})
     # Output text (SGLang's; the HTTP side's detokenizer applies them, the engine never sees them)
     no_stop_trim: bool = request_field("keep the matched stop string at the end of the text", default=False,
                                        routes=frozenset({OPENAI}))

@@ -25,8 +25,8 @@ def pydantic_field(spec: FieldSpec, route: str = "") -> tuple[Any, Any]:
     annotation: Any = Literal[spec.choices] if spec.choices is not None else spec.kind  # type: ignore[valid-type]
     bounds = {k: getattr(spec, k) for k in ("ge", "gt", "le", "min_length", "max_length")
               if getattr(spec, k) is not None}
-    if route == OPENAI:
-        bounds.update(spec.openai)
+    if route == OPENAI:  # the route's own bounds (None: none there, the engine's check answers)
+        bounds = {k: v for k, v in {**bounds, **spec.openai}.items() if v is not None}
     return annotation | None, Field(default=None, description=spec.help, **bounds)
 
 

@@ -44,7 +44,7 @@ def schema_of(model, name: str) -> dict:
 def expected_schema(spec: FieldSpec, route: str) -> dict:
     bounds = {k: getattr(spec, k) for k in BOUND_KEYS if getattr(spec, k) is not None}
     if route == OPENAI:
-        bounds.update(spec.openai)
+        bounds = {k: v for k, v in {**bounds, **spec.openai}.items() if v is not None}
     want = {BOUND_KEYS[k]: v for k, v in bounds.items()} if spec.kind is not bool else {}
     want["description"] = spec.help
     if spec.choices is not None:
