@@ -120,6 +120,9 @@ def test_the_defaults_chain_reads_the_declarations() -> None:
     level = Defaults.from_generation_config(config)
     assert level.threshold == level.edit_threshold == level.temperature == level.top_p == 0.25
     assert Defaults.from_generation_config({"editing_threshold": 0.3}).edit_threshold == 0.3
+    operator = {spec.operator_flag for spec in FIELDS.values() if spec.operator_flag}
+    assert operator == {"default_mode", "default_max_tokens", "mbe_window"}
+    assert operator <= {f.name for f in dataclasses.fields(ServerArgs)}
     args = ServerArgs(default_mode="S", default_max_tokens=9, mbe_window=2)
     assert args.request_defaults() == Defaults(mode="S", max_new_tokens=9, mbe_window=2)
 
