@@ -282,3 +282,52 @@ def test_the_whole_steady_step_on_the_triton_backend(tiny_checkpoint) -> None:
     with engine(tiny_checkpoint(seed=0), "new", dtype="float32", backend="triton") as eng:
         steps = count_steps(eng, reqs, max_steps=6, skip_model=False)
     check_steady_steps(steps, at_least=2)
+
+
+def _messages(core: Any, reqs: list[tuple[str, list[int], dict]], script: dict | None = None) -> list[tuple]:
+    """drive()'s messages with each message's denoise events (stream_denoise: per forward, the confidences)."""
+    core.add_requests([(rid, ids, SamplingParams.from_dict(p)) for rid, ids, p in reqs])
+    log, k, script = [], 0, script or {}
+    while core.has_work() or k in script:
+        if k in script:
+            script[k](core)
+        log += [(k, o.rid, list(o.new_ids), o.finished, o.meta.get("steps"), o.denoise) for o in core.step()]
+        k += 1
+        assert k < 3000
+    return log
+
+
+def test_streamed_forwards_carry_the_same_confidences(trio) -> None:
+    """stream_denoise rows decided inside the graph: every forward's event (tokens, confidences from the packed
+    bits) equals the eager engine's."""
+    reqs = [(f"s{k}", _prompt(k, 7 + 11 * k), {"max_new_tokens": 40, "stream_denoise": k != 1, "mode": "S"})
+            for k in range(3)]
+    inputs = trio["new"].core.runner.graphs.inputs
+    reads = inputs.reads
+    got = _messages(trio["new"].core, reqs)
+    assert inputs.reads - reads > 5
+    assert got == _messages(trio["eager"].core, reqs)
+    assert any(m[5] for m in got), "no denoise event came back"
+
+
+def test_llada22_threshold_rows_in_the_graph_beside_levenshtein_rows(tiny_checkpoint) -> None:
+    """On a LLaDA2.2 checkpoint the threshold rows (DELETE and SPLIT left out of their top-1) decide inside the
+    graph while they run alone; Levenshtein rows joining send the batch to the full-logits variant; every message
+    equals the eager engine's."""
+    path = tiny_checkpoint(seed=0, llada22=True)
+    reqs = [(f"t{k}", _prompt(k, 9 + 17 * k), {"max_new_tokens": 48, "decoder": "threshold", "mode": "S",
+                                                "ignore_eos": True}) for k in range(3)]
+    script = {6: lambda core: core.add_requests([(f"l{k}", _prompt(9 + k, 20), SamplingParams.from_dict(
+        {"max_new_tokens": 16, "decoder": "levenshtein"})) for k in range(2)])}
+    logs, counts = {}, {}
+    for static in (None, "new"):
+        with engine(path, static, dtype="float32") as eng:
+            if static:
+                graphs, used = eng.core.runner.graphs, []
+                run = graphs.run
+                graphs.run = lambda batch: used.append(len(batch.q_starts)) or run(batch)
+            logs[static] = _messages(eng.core, reqs, script)
+            if static:
+                counts = {"in_graph": graphs.inputs.reads, "full_logits": len(used)}
+    assert logs["new"] == logs[None]
+    assert counts["in_graph"] > 5 and counts["full_logits"] > 0, counts
