@@ -399,7 +399,7 @@ def bench_steps(engine, args, bw: float, mm: float, cfg, probe) -> list[dict]:
         if args.profile:
             iters = max(1, min(args.iters, 10))
             fwd_cls = step_probe.profile_classes(lambda: graphs.run(batch), iters, DEVICE)
-            step_cls = step_probe.profile_classes(lambda: runner.run(items), iters, DEVICE)
+            step_cls = step_probe.profile_classes(lambda: _step_in_place(runner, items), iters, DEVICE)
             row["breakdown_forward"] = fwd_cls
             row["breakdown_decision"] = step_probe.subtract(step_cls, fwd_cls)
         rows.append(row)

@@ -291,6 +291,9 @@ def test_bench_gpu_step_dry_run(tmp_path):
     result = json.loads((tmp_path / "b.json").read_text())
     assert [r["batch"] for r in result["steps"]] == [1, 3]
     assert all(r["replay_identical"] for r in result["steps"])
+    # the old decision (full logits out of the graph) beside the new one (inside it), on the same graphs
+    assert all(r["decision_in_graph"] and r["graph_old_decision_ms"] > 0 for r in result["steps"])
+    assert "step - forward: old / new ms" in after
     # the default is the honest one: uniform routing over a random block, experts counted from the timed batch's
     # ids in each of the tiny model's two MoE layers (8 experts, top-2: a 32-token block touches all 8)
     assert all(r["routing"] == "uniform" and r["block"] == "random" for r in result["steps"])

@@ -163,7 +163,7 @@ class Transfers(TorchDispatchMode):
         self.list_reads: list[int] = []  # data_ptr of the storage of every tensor read as a Python list
         self.paused = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the dispatch protocol
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused:
             name = str(func)
             self.ops[name] += 1
@@ -191,12 +191,12 @@ def count_steps(eng: Any, reqs: list[tuple[str, list[int], dict]], max_steps: in
     owner, attr = (graphs, "_hidden") if graphs is not None else (runner.model, "forward")
     real_run, real_hidden = runner.run, getattr(owner, attr)
 
-    def run(items):  # noqa: ANN001, ANN202
+    def run(items):
         signatures.append(tuple((it.req.rid, it.first, it.last, it.decodes, it.req.book.slot,
                                  tuple(it.req.book.pages)) for it in items))
         return real_run(items)
 
-    def hidden(*args):  # noqa: ANN002, ANN202
+    def hidden(*args):
         rec.paused += 1
         try:
             return real_hidden(*args)
@@ -254,8 +254,10 @@ def test_a_steady_step_copies_nothing_to_the_device_and_reads_once(path: Path) -
     with engine(path, "new") as eng:
         steps = count_steps(eng, COUNTED, max_steps=40, skip_model=True)
     check_steady_steps(steps, at_least=10)
+    # the other in-graph steps (a block began, a request joined or left): one upload, made from host data once,
+    # which carries the slot rows of the blocks that began too (no SlotState.sync copies of their own)
     changed = [s for s in steps if not s["steady"] and s["reads"]]
-    assert changed and all(s["uploads"] <= 1 and s["reads"] == 1 for s in changed), changed
+    assert changed and all((s["uploads"], s["made"], s["reads"]) == (1, 1, 1) for s in changed), changed
 
 
 def test_the_counter_sees_the_old_decisions_transfers(path: Path) -> None:
@@ -325,7 +327,7 @@ def test_llada22_threshold_rows_in_the_graph_beside_levenshtein_rows(tiny_checkp
             if static:
                 graphs, used = eng.core.runner.graphs, []
                 run = graphs.run
-                graphs.run = lambda batch: used.append(len(batch.q_starts)) or run(batch)
+                graphs.run = lambda batch, run=run: used.append(len(batch.q_starts)) or run(batch)
             logs[static] = _messages(eng.core, reqs, script)
             if static:
                 counts = {"in_graph": graphs.inputs.reads, "full_logits": len(used)}

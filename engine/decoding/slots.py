@@ -3,7 +3,8 @@
 Each running request holds a slot (`Request.book.slot`, given by the scheduler); the tensors here keep, per slot,
 the tokens of its open window (the active block alone without multi-block editing), which of them may be edited,
 its step counter, thresholds and sampling settings. `sync` mirrors a request's decoding state to its row when its
-block (re)began (`Request.row_key` changed) and the decoders update the row in place at each step, so a
+block (re)began (`Request.row_key` changed: its `record`, in one copy, or within the staging upload of the
+decision inside the CUDA graph) and the decoders update the row in place at each step, so a
 steady-state step builds no per-request Python lists. A decoder with state of its own keeps it beside these rows
 (engine/decoding/decoder.py).
 """
@@ -11,6 +12,8 @@ steady-state step builds no per-request Python lists. A decoder with state of it
 from __future__ import annotations
 
 import torch
+
+import struct
 
 from redraft.engine.decoding.decoding import SamplingBatch
 from redraft.protocol.sampling_params import MAX_MBE_WINDOW
@@ -45,22 +48,42 @@ class SlotState:
         return self._owner[r.book.slot] != r.row_key
 
     def sync(self, r: Request) -> None:
-        """THE mirror of a request's decoding state to its device row: the window's tokens, which of them may be
-        edited, the step counter, thresholds and sampling settings."""
-        i, p, b = r.book.slot, r.params, self.block_size
+        """Load r's row now (one host -> device copy of its `record`)."""
+        dev = self.tokens.device
+        self.load(torch.tensor([r.book.slot], device=dev), torch.tensor([self.record(r)], device=dev))
+        self.loaded(r)
+
+    @property
+    def record_width(self) -> int:
+        return 2 * self.tokens.shape[1] + 8
+
+    def record(self, r: Request) -> list[int]:
+        """THE mirror of a request's decoding state, as the int64s `load` writes to its row: the window's tokens
+        (PAD past it), which of them may be edited, its first position, the step counter, thresholds and sampling
+        settings (floats as their float64 bits)."""
+        p, b, width = r.params, self.block_size, self.tokens.shape[1]
         start = r.state.window_start * b
         window = r.window_tokens()
         n = len(window)
-        self.tokens[i] = self.PAD
-        self.tokens[i, :n] = torch.tensor(window, dtype=torch.long)
-        self.editable[i] = False
-        self.editable[i, :n] = torch.arange(start, start + n) >= r.prompt_len
-        self.window_start[i] = start
-        self.steps[i] = r.state.stats.steps
-        self.threshold[i], self.edit_threshold[i] = p.threshold, p.edit_threshold
-        self.temperature[i], self.top_k[i], self.top_p[i] = p.temperature, p.top_k, p.top_p
-        self.seed[i] = p.seed or 0
-        self._owner[i] = r.row_key
+        editable = [int(pos >= r.prompt_len) for pos in range(start, start + n)]
+        return [*window, *[self.PAD] * (width - n), *editable, *[0] * (width - n), start, r.state.stats.steps,
+                *_bits(p.threshold, p.edit_threshold, p.temperature), p.top_k, *_bits(p.top_p), p.seed or 0]
+
+    def load(self, slots: torch.Tensor, records: torch.Tensor) -> None:
+        """Rows `slots` [k] from their `record`s [k, record_width] (int64, on the device: device ops only)."""
+        w = self.tokens.shape[1]
+        self.tokens[slots] = records[:, :w]
+        self.editable[slots] = records[:, w : 2 * w].bool()
+        rest = records[:, 2 * w :]  # [k, 8]
+        self.window_start[slots], self.steps[slots] = rest[:, 0], rest[:, 1]
+        floats = rest.view(torch.float64)  # (the float settings' bits, read back as float64)
+        self.threshold[slots], self.edit_threshold[slots] = floats[:, 2], floats[:, 3]
+        self.temperature[slots], self.top_k[slots], self.top_p[slots] = floats[:, 4], rest[:, 5], floats[:, 6]
+        self.seed[slots] = rest[:, 7]
+
+    def loaded(self, r: Request) -> None:
+        """r's row holds r's current block start now (its `record` was loaded)."""
+        self._owner[r.book.slot] = r.row_key
 
     def slot_ids(self, reqs: list[Request]) -> torch.Tensor:
         return torch.tensor([r.book.slot for r in reqs], dtype=torch.long, device=self.tokens.device)  # [N]
@@ -78,3 +101,8 @@ class SlotState:
             temperature=self.temperature[slots], top_k=self.top_k[slots], top_p=self.top_p[slots],
             seeds=self.seed[slots], steps=self.steps[slots], positions=self.window_start[slots, None] + ar[None, :],
         )
+
+
+def _bits(*values: float) -> list[int]:
+    """Each float's float64 bits as an int64 (a row record carries floats in its int64 columns)."""
+    return list(struct.unpack(f"{len(values)}q", struct.pack(f"{len(values)}d", *values)))

@@ -31,9 +31,9 @@ Two variants are captured per bucket:
     (the window after the step) written into `input_ids`, and the host's figures packed into one small int32
     tensor (`output.pack_rows`). The host then copies that tensor into a pinned buffer: one device -> host read
     per step. When a step's rows are the last step's (same slots, positions, page tables, and the query tokens
-    that step produced), nothing is copied to the device at all; rows that changed go through one pinned staging
-    buffer, one host -> device copy and a scatter on the device (engine/runtime/graph_inputs.py). Loading a row
-    whose block (re)began (`SlotState.sync`) still writes it with a few small copies, as on every path.
+    that step produced), nothing is copied to the device at all; rows that changed, and the SlotState rows of
+    requests whose block (re)began, go through one pinned staging buffer, one host -> device copy and a scatter
+    on the device (engine/runtime/graph_inputs.py).
 With capture=False (CPU tests) both variants run eagerly over the same buffers, padding rows and scratch rows.
 """
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -224,7 +225,7 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for the denoising step at batch sizes %s (decision inside the graph: %s)",
                  self.buckets, sorted(self.rules) or "none")
 
-    def _capture_one(self, program, pool) -> torch.cuda.CUDAGraph:  # noqa: ANN001 - a callable, a pool handle
+    def _capture_one(self, program: Callable[[], object], pool: object) -> torch.cuda.CUDAGraph:
         dev = self.runner.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -276,7 +277,8 @@ class DecodeGraphs:
         n = len(items)
         bs = self.bucket(n)
         try:
-            self.inputs.stage(items, bs)
+            for r in self.inputs.stage(items, bs):  # (the rows whose block (re)began, loaded by the staging)
+                rule.load(r)
             if self.capture_graphs:
                 self.decision_graphs[(rule.name, bs)].replay()
                 self.replays += 1

@@ -5,9 +5,10 @@ The in-graph step writes the next step's query (each window after the step) into
 so the host keeps a record of every static row: its slot, first query position, page table and query tokens (the
 tokens the last packed read brought back). A step whose rows match the record copies nothing to the device. Rows
 that differ (a request joined, finished, was preempted, began a block, or the bucket grew) are written into one
-pinned staging buffer as records [row, slot, q_start, page table (P), query tokens (B)], copied in one host ->
-device transfer and scattered into the static buffers on the device. Rows past the batch are padding: the
-scratch slot, position 0, every page the scratch page, a MASK query.
+pinned staging buffer as records [row, slot, q_start, query tokens (B), page table (P)], with the SlotState
+rows of requests whose block (re)began (`SlotState.record`, in place of `SlotState.sync`'s own copy), copied in
+one host -> device transfer and scattered on the device. Rows past the batch are padding: the scratch slot,
+position 0, every page the scratch page, a MASK query.
 
 Every transfer of this path goes through two methods, so that a test can count them: `upload` (host -> device,
 only when rows changed) and `read` (device -> host, once per step).
@@ -21,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from redraft.engine.runtime.cuda_graphs import DecodeGraphs
+    from redraft.scheduler.request import Request
     from redraft.scheduler.scheduler import WorkItem
 
 RowKey = tuple[int, int, list[int]]  # (slot, q_start, page table through the active block)
@@ -38,8 +40,7 @@ class GraphInputs:
         self.g, self.scratch_slot = graphs, scratch_slot
         b, dev = graphs.b, graphs.input_ids.device
         pinned = dev.type == "cuda"  # (page-locked memory needs CUDA; on CPU the buffers are plain tensors)
-        self.record_width = 3 + graphs.max_pages + b
-        cap = graphs.max_bs * self.record_width
+        cap = graphs.max_bs * (3 + b + graphs.max_pages + 1 + graphs.runner.slots.record_width)
         self.staging = torch.empty(cap, dtype=torch.long, pin_memory=pinned)  # [max_bs * record] flat, host
         self.staged = torch.empty(cap, dtype=torch.long, device=dev)  # its device twin
         self.packed = torch.zeros(graphs.max_bs, packed_width(b), dtype=torch.int32, device=dev)  # [max_bs, 2B+3]
@@ -56,11 +57,12 @@ class GraphInputs:
         self.keys[:rows] = [None] * rows
         self.ids[:rows] = [None] * rows
 
-    def stage(self, items: list[WorkItem], bs: int) -> None:
-        """Make static rows [0, bs) hold `items` (then padding): the rows that differ from the record, in one
-        upload and a scatter on the device; nothing when none differs."""
+    def stage(self, items: list[WorkItem], bs: int) -> list[Request]:
+        """Make static rows [0, bs) hold `items` (then padding), and load the slot rows of items whose block
+        (re)began (`SlotState.stale`): what differs, in one upload and a scatter on the device; nothing when
+        nothing differs. Returns the requests whose slot rows it loaded."""
         b, g = self.g.b, self.g
-        records: list[list[int]] = []
+        static: list[list[int]] = []
         for i in range(bs):
             if i < len(items):
                 it = items[i]
@@ -70,36 +72,49 @@ class GraphInputs:
             else:
                 key, ids = (self.scratch_slot, 0, [g.scratch]), [g.runner.mask_id] * b
             if self.keys[i] != key or self.ids[i] != ids:
-                records.append([i, key[0], key[1], *key[2], *ids])
+                static.append([i, key[0], key[1], *ids, *key[2]])
                 self.keys[i], self.ids[i] = key, ids
-        if records:
-            self._scatter(self.upload(records))
+        slots = g.runner.slots
+        stale = [it.req for it in items if slots.stale(it.req)]
+        if static or stale:
+            rec, rows = self.upload(static, [[r.book.slot, *slots.record(r)] for r in stale])
+            if rec is not None:
+                self._scatter(rec)
+            if rows is not None:
+                slots.load(rows[:, 0], rows[:, 1:])
+            for r in stale:
+                slots.loaded(r)
+        return stale
 
-    def upload(self, records: list[list[int]]) -> torch.Tensor:
-        """The one host -> device copy of a step whose rows changed: records (ragged tables) padded to one width
-        in the pinned staging buffer -> [k, 3 + P + B] on the device."""
-        b = self.g.b
-        width = max(len(r) for r in records)  # 3 + P + B, P: the longest table among the records
-        rows = [r[: len(r) - b] + [self.g.scratch] * (width - len(r)) + r[len(r) - b :] for r in records]
-        flat = self.staging[: len(rows) * width]
-        flat.copy_(torch.tensor(rows, dtype=torch.long).view(-1))  # [k * width] host data into pinned memory
+    def upload(self, static: list[list[int]], rows: list[list[int]]
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The one host -> device copy of a step whose rows changed, through the pinned staging buffer: static
+        records (ragged tables padded with the scratch page) -> [k, 3 + B + P] and slot-row records ([slot,
+        SlotState.record]) -> [k', 1 + record_width] on the device (None where there are none)."""
+        width = max((len(r) for r in static), default=0)  # 3 + B + P, P: the longest table among the records
+        padded = [x for r in static for x in (*r, *[self.g.scratch] * (width - len(r)))]
+        data = padded + [x for r in rows for x in r]
+        flat = self.staging[: len(data)]
+        flat.copy_(torch.tensor(data, dtype=torch.long))  # host data into pinned memory
         self.uploads += 1
         # (non_blocking from pinned memory; the step's own read, later on the same stream, waits for it, and
         # the staging buffer is not written again before that read)
-        return self.staged[: flat.numel()].copy_(flat, non_blocking=True).view(len(rows), width)
+        on_device = self.staged[: len(data)].copy_(flat, non_blocking=True)
+        rec = on_device[: len(padded)].view(len(static), width) if static else None
+        loads = on_device[len(padded) :].view(len(rows), -1) if rows else None
+        return rec, loads
 
     def _scatter(self, rec: torch.Tensor) -> None:
-        """rec [k, 3 + P + B] on the device into the static rows it names (device ops only)."""
+        """rec [k, 3 + B + P] on the device into the static rows it names (device ops only)."""
         g, b = self.g, self.g.b
-        pages = rec.shape[1] - 3 - b
-        rows, start = rec[:, 0], rec[:, 2]  # [k]
+        rows, start, pages = rec[:, 0], rec[:, 2], rec[:, 3 + b :]  # [k], [k], [k, P]
         g.slot_idx[rows] = rec[:, 1]
         g.q_starts[rows] = start
         g.kv_lens[rows] = start + b
-        g.page_tables[rows, :pages] = rec[:, 3 : 3 + pages]  # (columns past P are never read: kv_len bounds them)
-        g.input_ids.view(-1, b)[rows] = rec[:, 3 + pages :]
+        g.page_tables[rows, : pages.shape[1]] = pages  # (columns past P are never read: kv_len bounds them)
+        g.input_ids.view(-1, b)[rows] = rec[:, 3 : 3 + b]
         g.positions.view(-1, b)[rows] = start[:, None] + self.ar[None, :]  # [k, B]
-        active = rec[:, 3 : 3 + pages].gather(1, (start // b)[:, None])  # [k, 1] the page of the active block
+        active = pages.gather(1, (start // b)[:, None])  # [k, 1] the page of the active block
         g.slot_mapping.view(-1, b)[rows] = active * b + self.ar[None, :]
 
     def read(self, n: int) -> list[list[int]]:

@@ -105,21 +105,30 @@ class ModelRunner:
         that request: its rid and exception go to `StepOutput.failed` (its row's results are then meaningless and
         the engine ends it before `update`). An exception from the batch itself (the forward) propagates."""
         failed: Failures = {}
-        self.sync_rows([it.req for it in items if it.decodes], failed)
+        reqs = [it.req for it in items if it.decodes]
+        self.begin_blocks(reqs, failed)
         self.faults.check_any("forward", [it.req.rid for it in items])
         plan = self.plan(items, build_forward_batch(items, self.block_size))
-        if plan.in_graph:
+        if plan.in_graph:  # (its staging loads the stale rows: one upload with the graph's inputs)
             return decision.decide_in_graph(self, items, failed)
+        self.load_rows(reqs)
         return self.decide(items, plan, self.forward(plan), failed)
 
     def sync_rows(self, reqs: list[Request], failed: Failures) -> None:
         """Before the forward, for each request whose block (re)began since its row was loaded: structured output
         first writes what its grammar forces into the block (the forward reads it), then the row is synced, then
         its decoder's own state."""
+        self.begin_blocks(reqs, failed)
+        self.load_rows(reqs)
+
+    def begin_blocks(self, reqs: list[Request], failed: Failures) -> None:
+        for r in reqs:
+            if self.slots.stale(r) and r.state.constraint is not None:
+                guard(self.faults, failed, r.rid, "begin_block", r.begin_constraint)
+
+    def load_rows(self, reqs: list[Request]) -> None:
         for r in reqs:
             if self.slots.stale(r):
-                if r.state.constraint is not None:
-                    guard(self.faults, failed, r.rid, "begin_block", r.begin_constraint)
                 self.slots.sync(r)
                 self.decoders[r.params.decoder].load(r)
 
