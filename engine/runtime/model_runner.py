@@ -4,8 +4,9 @@ It owns the model, the KV cache tensors (pages are allocated by the scheduler's 
 reads/writes the rows the page ids point at), the per-slot decoding state (`SlotState`, engine/decoding/slots.py)
 and one decoder per rule the checkpoint can run (engine/decoding/registry.py). `run` is its seams in order:
 
-    sync_rows      rows whose block (re)began are loaded from their requests (and their decoder's own state)
+    begin_blocks   a grammar writes its forced tokens into a block that (re)began
     plan           batch building and planning                        engine/runtime/batch.py
+    load_rows      rows whose block (re)began are loaded from their requests (and their decoder's own state)
     forward        the forward, eager or a CUDA graph                 engine/runtime/forward.py
     decide         each row's decoder step, grammar, packing          engine/runtime/decision.py, output.py
 (A batch planned `in_graph` runs forward and decide as one CUDA graph: engine/runtime/cuda_graphs.py.)
@@ -117,16 +118,19 @@ class ModelRunner:
     def sync_rows(self, reqs: list[Request], failed: Failures) -> None:
         """Before the forward, for each request whose block (re)began since its row was loaded: structured output
         first writes what its grammar forces into the block (the forward reads it), then the row is synced, then
-        its decoder's own state."""
+        its decoder's own state (`begin_blocks`, then `load_rows`: the overlap scheduler's decision calls it)."""
         self.begin_blocks(reqs, failed)
         self.load_rows(reqs)
 
     def begin_blocks(self, reqs: list[Request], failed: Failures) -> None:
+        """Structured output writes what its grammar forces into a block that (re)began (the batch reads it)."""
         for r in reqs:
             if self.slots.stale(r) and r.state.constraint is not None:
                 guard(self.faults, failed, r.rid, "begin_block", r.begin_constraint)
 
     def load_rows(self, reqs: list[Request]) -> None:
+        """The slot rows of requests whose block (re)began, then their decoders' own state (a batch deciding inside
+        the CUDA graph loads them with its staging instead: cuda_graphs.DecodeGraphs.decide)."""
         for r in reqs:
             if self.slots.stale(r):
                 self.slots.sync(r)
