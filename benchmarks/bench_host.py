@@ -13,7 +13,8 @@ twice per batch size, alternating, with the decision from full logits ("full") a
 (--disable-overlap): with overlap on, the forward runs on a worker thread and its time would land in other parts.
 With --device cuda the model is LLaDA2.1-mini's shape with random weights (Triton kernels, CUDA graphs up to the
 largest batch), and each timed part synchronizes the device before and after, so the GPU time a part queued is
-counted in it (the forward of a replayed graph includes its lm_head).
+counted in it (the forward of a replayed graph includes its lm_head; a step decided inside the graph, every
+greedy threshold batch with graphs on, counts as forward whole).
 
 Part 2 (overlap): the same steady state with the overlap scheduler off and on (engine/runtime/overlap.py: forward k+1 runs
 on a worker thread while the host updates, reports and schedules iteration k), alternating off/on for `rounds`
@@ -93,6 +94,9 @@ def step_split(path: Path, batch: int, chunked: bool, steps: int) -> dict[str, f
     _timed(core.runner.model, "forward", bucket, "forward")
     if core.runner.graphs is not None:
         _timed(core.runner.graphs, "run", bucket, "forward")  # a replayed step: the forward and its lm_head
+        # a step decided inside the graph (greedy threshold rows): forward, top-1, the step and the packed read in
+        # one replay, counted as forward (its decision has no host part left to split off)
+        _timed(core.runner.graphs, "decide", bucket, "forward")
     _timed(core.runner.model, "logits", bucket, "decide")  # the lm_head of rows that need full logits
     _timed(core.runner, "top1", bucket, "decide")  # the lm_head of the others, in vocabulary chunks
     _timed(core.runner, "decide", bucket, "decide")  # the draft-and-edit step
