@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,12 @@ def test_a_field_added_to_the_declarations_appears_everywhere() -> None:
     add_request_flags(parser, specs)
     assert parser.parse_args(["--novel-knob", "4"]).novel_knob == 4
     assert refusal(knob, 6) == "novel_knob must be an integer in [0, 5]" and refusal(knob, None) is None
+
+
+def test_the_openai_page_lists_every_field_the_openai_routes_carry() -> None:
+    """docs/openai.md's table of fields names each declared field the chat and completions bodies carry."""
+    text = (ROOT / "docs" / "openai.md").read_text().split("## Fields")[1].split("\n## ")[0]
+    listed = {name for row in text.splitlines() if row.startswith("| `")
+              for name in re.findall(r"`([a-z_]+)`", row.split(" | ")[0])}
+    assert [name for name in carried(OPENAI) if name not in listed] == []
+
