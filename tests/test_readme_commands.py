@@ -229,8 +229,9 @@ def _path_problems(doc: Path, text: str) -> list[str]:
     return problems
 
 
-# other tools' flags the docs name on their own: hadolint's, slime's
-FOREIGN_FLAGS = {"--failure-threshold", "--rollout-external", "--rollout-external-engine-addrs"}
+# other tools' flags the docs name on their own: hadolint's, slime's, SGLang's
+FOREIGN_FLAGS = {"--failure-threshold", "--rollout-external", "--rollout-external-engine-addrs", "--offload-rollout",
+                 "--enable-weights-cpu-backup"}
 
 
 @cache
