@@ -38,90 +38,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from redraft.clients.bench import percentile
-from redraft.clients.sse import StreamError, sse_events
+from redraft.clients.loadgen import (CANCELLED, GenerateStream, Result, auth_headers, closed_loop, collect, fmt,
+                                     http_client, ms_stats, print_errors, pyplot, random_words,
+                                     save_figure, summarize as summarize_results, timed_request)
 
 try:
     import httpx
 except ImportError:  # pragma: no cover - httpx comes with the dev extra
     httpx = None  # type: ignore[assignment]
 
-# Ordinary English words: prompts tokenize to plain tokens under any BPE tokenizer, specials never appear.
-_WORDS = (
-    "the a of and to in is it that for on with as was at by be this from or an are not but have one all were "
-    "when we there can what your which their said if will each about how up out them then she many some so these "
-    "would other into has more her two like him see time could no make than first been its who now people my made "
-    "over did down only way find use may water long little very after words called just where most know get "
-    "through back much before go good new write our used me man too any day same right look think also around "
-    "another came come work three word must because does part even place well such here take why things help put "
-    "years different away again off went old number great tell men say small every found still between name "
-    "should home big give air line set own under read last never us left end along while might next sound below "
-    "saw something thought both few those always looked show large often together asked house world going want "
-    "school important until form food keep children feet land side without boy once animals life enough took "
-    "sometimes four head above kind began almost live page got earth need far hand high year mother light parts "
-    "country father let night following picture being study second eyes soon times story boys since white days "
-    "ever paper hard near sentence better best across during today others sure means knew try told young miles "
-    "sun ways thing whole hear example heard several change answer room sea against top turned learn point city "
-    "play toward five using himself usually river garden machine teacher window market forest question tower"
-).split()
-
-
-@dataclass
-class Result:
-    """One request as the client saw it."""
-
-    ok: bool = False
-    error: str = ""
-    t_start: float = 0.0
-    ttft: float | None = None  # seconds to the first committed block
-    latency: float | None = None  # seconds to the end of the stream
-    block_times: list[float] = field(default_factory=list)  # arrival time of each chunk, from t_start
-    meta: dict[str, Any] = field(default_factory=dict)  # meta_info of the final chunk
-    output_len: int = 0
-
 
 # ---- prompts -------------------------------------------------------------------------------------------
 def make_prompts(n: int, words: tuple[int, int], seed: int) -> list[str]:
     """`n` distinct random-word prompts, reproducible from `seed`."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(*words))) for _ in range(n)]
-
-
-# ---- one request -----------------------------------------------------------------------------------------
-async def one_request(client: "httpx.AsyncClient", url: str, prompt: str, params: dict, headers: dict) -> Result:
-    res = Result(t_start=time.perf_counter())
-    body = {"text": prompt, "sampling_params": params, "stream": True}
-    last: dict | None = None
-    try:
-        async for chunk in sse_events(client, url, body, headers):
-            now = time.perf_counter() - res.t_start
-            if res.ttft is None and chunk.get("output_ids"):
-                res.ttft = now
-            res.block_times.append(now)
-            last = chunk
-    except StreamError as exc:
-        res.error = str(exc)
-        return res
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-        return res
-    res.latency = time.perf_counter() - res.t_start
-    if last is None:
-        res.error = "the stream ended without a chunk"
-        return res
-    res.meta = last.get("meta_info") or {}
-    res.output_len = int(res.meta.get("completion_tokens", len(last.get("output_ids", []))))
-    if res.meta.get("finish_reason") is None:
-        res.error = "the stream ended before the request finished"
-        return res
-    res.ok = True
-    return res
+    return [random_words(rng, rng.randint(*words)) for _ in range(n)]
 
 
 # ---- one concurrency level ---------------------------------------------------------------------------------
@@ -129,86 +65,43 @@ async def run_level(client: "httpx.AsyncClient", base_url: str, concurrency: int
                     headers: dict, max_seconds: float, grace_seconds: float, desc: str) -> tuple[list[Result], float]:
     """Closed loop: `concurrency` workers, one request in flight each, until the prompts or the time run out."""
     url = f"{base_url}/generate"
-    results: list[Result] = []
-    next_idx = 0
     bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False)
+
+    async def send(i: int) -> Result:
+        body = {"text": prompts[i], "sampling_params": params, "stream": True}
+        res = await timed_request(client, url, body, headers, GenerateStream())
+        bar.update(1)
+        return res
+
     t0 = time.perf_counter()
-    stop_issuing = t0 + max_seconds
-
-    async def worker() -> None:
-        nonlocal next_idx
-        while next_idx < len(prompts) and time.perf_counter() < stop_issuing:
-            prompt = prompts[next_idx]
-            next_idx += 1
-            slot = len(results)
-            # A placeholder first, so that a request cancelled at the deadline still counts as sent (and failed).
-            results.append(Result(t_start=time.perf_counter(), error="cancelled (past --max-seconds + --grace-seconds)"))
-            results[slot] = await one_request(client, url, prompt, params, headers)
-            bar.update(1)
-
-    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-    _, pending = await asyncio.wait(tasks, timeout=max_seconds + grace_seconds)
-    for t in pending:
-        t.cancel()
-    for t in pending:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await t
+    sent = await closed_loop(send, len(prompts), concurrency, max_seconds, grace_seconds)
     duration = time.perf_counter() - t0
     bar.close()
-    for t in tasks:  # surface a bug in the worker itself rather than hiding it
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
-    return results, duration
+    return await collect(sent, lambda i: Result(error=CANCELLED)), duration
 
 
 def summarize(concurrency: int, results: list[Result], duration: float, max_new_tokens: int) -> dict:
     ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_len for r in ok)
-    steps = sum(int(r.meta.get("steps", 0)) for r in ok)
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    e2e = [r.latency for r in ok if r.latency is not None]
+    forwards = sum(r.forwards or 0 for r in ok)
     # Time between consecutive committed blocks of a request (the streaming cadence after the first block).
-    gaps = [b - a for r in ok for a, b in zip(r.block_times, r.block_times[1:])]
-    ms = lambda v: None if v is None else round(v * 1000.0, 1)  # noqa: E731
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
+    gaps = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     return {
         "concurrency": concurrency,
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
         "duration_s": round(duration, 3),
-        "req_per_s": len(ok) / duration if duration > 0 else 0.0,
-        "input_tokens": sum(int(r.meta.get("prompt_tokens", 0)) for r in ok),
-        "output_tokens": out_tokens,
-        "output_tok_per_s": out_tokens / duration if duration > 0 else 0.0,
-        "all_full_length": all(r.output_len == max_new_tokens for r in ok),
-        "ttft_ms_mean": ms(sum(ttft) / len(ttft)) if ttft else None,
-        "ttft_ms_p50": ms(percentile(ttft, 50)),
-        "ttft_ms_p99": ms(percentile(ttft, 99)),
-        "e2e_ms_mean": ms(sum(e2e) / len(e2e)) if e2e else None,
-        "e2e_ms_p50": ms(percentile(e2e, 50)),
-        "e2e_ms_p99": ms(percentile(e2e, 99)),
-        "inter_block_ms_p50": ms(percentile(gaps, 50)),
-        "inter_block_ms_p99": ms(percentile(gaps, 99)),
-        "forwards_per_request": steps / len(ok) if ok else None,
-        "tokens_per_forward": out_tokens / steps if steps else None,
-        "cached_tokens": sum(int(r.meta.get("cached_tokens", 0)) for r in ok),
-        "errors": errors,
+        **summarize_results(results, duration, metrics=("ttft", "e2e"), qs=(50, 99)),
+        "all_full_length": all(r.output_tokens == max_new_tokens for r in ok),
+        **ms_stats("inter_block_ms", gaps, (50, 99), mean=False),
+        "forwards_per_request": forwards / len(ok) if ok else None,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
     }
 
 
 # ---- the whole run ---------------------------------------------------------------------------------------
 async def bench(args: argparse.Namespace, base_url: str) -> tuple[list[dict], dict]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args.api_key)
     params: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "ignore_eos": True, "mode": args.mode,
                               "temperature": args.temperature}
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency) + 4)
-    timeout = httpx.Timeout(args.request_timeout, connect=10.0)
-    # trust_env=False: never route the benchmark's traffic through a proxy from the environment.
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    async with http_client(max(args.concurrency), args.request_timeout) as client:
         info_resp = await client.get(f"{base_url}/get_server_info", headers=headers)
         info = info_resp.json() if info_resp.status_code == 200 else {}
         if args.warmup:
@@ -318,13 +211,9 @@ class LaunchedServer:
 
 
 # ---- output ------------------------------------------------------------------------------------------------
-def _f(v: Any, fmt: str = "{:.1f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
 def print_table(rows: list[dict], info: dict, args: argparse.Namespace) -> None:
     base = rows[0]["concurrency"] if rows else 1
-    print(f"\nserver: {info.get('model_name')} ({_f(info.get('num_params', 0) / 1e6, '{:.1f}')}M params, "
+    print(f"\nserver: {info.get('model_name')} ({fmt(info.get('num_params', 0) / 1e6, '{:.1f}')}M params, "
           f"{info.get('dtype')} on {info.get('device')}, kernels {info.get('kernel_backend')}, "
           f"max_running_requests {info.get('max_running_requests')}); client: {platform.machine()}, "
           f"{os.cpu_count()} cores; mode {args.mode}, {args.max_new_tokens} new tokens per request (ignore_eos), "
@@ -334,23 +223,18 @@ def print_table(rows: list[dict], info: dict, args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['concurrency']} | {r['completed']}/{r['requests']} | {r['req_per_s']:.2f} "
-              f"| {r['output_tok_per_s']:.1f} | {_f(r['speedup_vs_base'], '{:.2f}x')} | {_f(r['ttft_ms_p50'])} "
-              f"| {_f(r['ttft_ms_p99'])} | {_f(r['e2e_ms_p50'])} | {_f(r['e2e_ms_p99'])} "
-              f"| {_f(r['tokens_per_forward'], '{:.2f}')} |")
+              f"| {r['output_tok_per_s']:.1f} | {fmt(r['speedup_vs_base'], '{:.2f}x')} | {fmt(r['ttft_ms_p50'])} "
+              f"| {fmt(r['ttft_ms_p99'])} | {fmt(r['e2e_ms_p50'])} | {fmt(r['e2e_ms_p99'])} "
+              f"| {fmt(r['tokens_per_forward'], '{:.2f}')} |")
     for r in rows:
-        for err, count in r["errors"].items():
-            print(f"concurrency {r['concurrency']}: {count} failed: {err}")
+        print_errors(f"concurrency {r['concurrency']}", r["errors"])
         if r["completed"] and not r["all_full_length"]:
             print(f"concurrency {r['concurrency']}: some requests returned fewer than {args.max_new_tokens} tokens")
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     cs = [r["concurrency"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -360,9 +244,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     b.plot(cs, [r["e2e_ms_p50"] for r in rows], "s-", label="E2E p50")
     b.set(xscale="log", xlabel="concurrency", ylabel="ms", title="latency")
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path, dpi=120)
     return True
 
 

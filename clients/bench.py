@@ -38,26 +38,19 @@ import platform
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from redraft.clients.sse import StreamError, sse_events
+from redraft.clients.loadgen import (CANCELLED, ChatStream, Result, auth_headers, closed_loop, collect, fmt,
+                                     http_client, open_loop, print_errors, pyplot, random_words, save_figure,
+                                     summarize, timed_request)
 
 try:
     import httpx
 except ImportError:  # pragma: no cover - httpx comes with the dev extra
     httpx = None  # type: ignore[assignment]
 
-_WORDS = (
-    "time year people way day man thing woman life child world school state family student group country problem "
-    "hand part place case week company system program question work government number night point home water room "
-    "mother area money story fact month lot right study book eye job word business issue side kind head house "
-    "service friend father power hour game line end member law car city community name president team minute idea "
-    "kid body information back parent face others level office door health person art war history party result "
-    "change morning reason research girl guy moment air teacher force education river garden window market forest"
-).split()
-PERCENTILES = (50, 90, 99)
 NO_MODE = "-"
 
 
@@ -93,67 +86,12 @@ def make_prompts(domains: list[str], n: int, seed: int, prefix_words: tuple[int,
         if tasks:
             body = tasks[i // len(domains)]
         else:
-            body = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 24)))
+            body = random_words(rng, rng.randint(8, 24))
         pad = rng.randint(*prefix_words)
         if pad:
-            body = "Context: " + " ".join(rng.choice(_WORDS) for _ in range(pad)) + ".\n\n" + body
+            body = "Context: " + random_words(rng, pad) + ".\n\n" + body
         out.append(Prompt(domain, body, rng.randint(*output_len)))
     return out
-
-
-# ---- one request ------------------------------------------------------------------------------------------
-@dataclass
-class Result:
-    domain: str
-    mode: str
-    ok: bool = False
-    error: str = ""
-    start: float = 0.0  # perf_counter at send
-    ttft: float | None = None
-    latency: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # seconds from start, each content chunk
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    forwards: int | None = None  # redraft only: denoising forwards of this request
-
-
-async def one_request(client: "httpx.AsyncClient", url: str, body: dict, headers: dict, domain: str,
-                      mode: str) -> Result:
-    res = Result(domain, mode, start=time.perf_counter())
-    usage, diffusion, finished, chunks = None, None, False, 0
-    try:
-        async for event in sse_events(client, url, body, headers):
-            now = time.perf_counter() - res.start
-            for choice in event.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    chunks += 1
-                    res.chunk_times.append(now)
-                    if res.ttft is None:
-                        res.ttft = now
-                if choice.get("finish_reason"):
-                    finished = True
-            if event.get("usage"):
-                usage = event["usage"]
-                diffusion = event.get("diffusion") or diffusion
-    except StreamError as exc:
-        res.error = str(exc)
-        return res
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-        return res
-    res.latency = time.perf_counter() - res.start
-    if not finished:
-        res.error = "the stream ended without a finish_reason"
-        return res
-    if usage:
-        res.output_tokens = int(usage.get("completion_tokens") or 0)
-        res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    else:  # a server that ignores stream_options: one token per content chunk is the best guess
-        res.output_tokens = chunks
-    if diffusion and diffusion.get("forwards"):
-        res.forwards = int(diffusion["forwards"])
-    res.ok = True
-    return res
 
 
 # ---- one load level ---------------------------------------------------------------------------------------
@@ -195,108 +133,27 @@ class Runner:
         """Request i's mode: every domain gets each mode in turn."""
         return self.modes[(i // len(self.args.domains)) % len(self.modes)]
 
-    def _send(self, i: int, prompt: Prompt) -> "asyncio.Future[Result]":
+    async def send(self, i: int, prompt: Prompt) -> Result:
         mode = self.mode_of(i)
-        return asyncio.ensure_future(one_request(self.client, self.url, self.body(prompt, mode), self.headers,
-                                                 prompt.domain, mode))
+        return await timed_request(self.client, self.url, self.body(prompt, mode), self.headers, ChatStream(),
+                                   prompt.domain, mode)
 
     async def run(self, level: Level, prompts: list[Prompt]) -> tuple[list[Result], float]:
+        args = self.args
         t0 = time.perf_counter()
-        stop_at = t0 + self.args.max_seconds
-        tasks: list[tuple[int, asyncio.Future]] = []  # (prompt index, its request) in sending order
         if level.kind == "concurrency":
-            next_idx = 0
-
-            async def worker() -> None:
-                nonlocal next_idx
-                while next_idx < len(prompts) and time.perf_counter() < stop_at:
-                    i = next_idx
-                    next_idx += 1
-                    task = self._send(i, prompts[i])
-                    tasks.append((i, task))
-                    await task
-
-            workers = [asyncio.ensure_future(worker()) for _ in range(int(level.value))]
-            await asyncio.wait(workers, timeout=self.args.max_seconds + self.args.grace_seconds)
-            for w in workers:
-                w.cancel()
+            sent = await closed_loop(lambda i: self.send(i, prompts[i]), len(prompts), int(level.value),
+                                     args.max_seconds, args.grace_seconds)
         else:
-            rng = random.Random(self.args.seed + 7)
-            limit = asyncio.Semaphore(self.args.max_concurrency) if self.args.max_concurrency else None
-
-            async def limited(i: int) -> Result:
-                async with limit:  # type: ignore[union-attr]
-                    return await self._send(i, prompts[i])
-
-            next_at = t0
-            for i in range(len(prompts)):
-                next_at += rng.expovariate(level.value)  # Poisson process: exponential gaps
-                if next_at >= stop_at:
-                    break
-                await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-                tasks.append((i, asyncio.ensure_future(limited(i)) if limit else self._send(i, prompts[i])))
-            if tasks:
-                await asyncio.wait([t for _, t in tasks],
-                                   timeout=max(0.0, stop_at + self.args.grace_seconds - time.perf_counter()))
+            sent = await open_loop(lambda i: self.send(i, prompts[i]), len(prompts), level.value,
+                                   args.max_concurrency, args.max_seconds, args.grace_seconds, args.seed + 7)
         duration = time.perf_counter() - t0
-        results = []
-        for i, task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is None:
-                results.append(task.result())
-            else:  # still running past the grace period: counted as failed, in its own domain and mode
-                task.cancel()
-                results.append(Result(prompts[i].domain, self.mode_of(i),
-                                      error="cancelled (past --max-seconds + --grace-seconds)"))
-        for _, task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # A request still running past the grace period fails in its own domain and mode.
+        results = await collect(sent, lambda i: Result(prompts[i].domain, self.mode_of(i), error=CANCELLED))
         return results, duration
 
 
 # ---- statistics -------------------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default), without numpy."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(results: list[Result], duration: float) -> dict:
-    ok = [r for r in results if r.ok]
-    ms = lambda v: None if v is None else round(v * 1000.0, 2)  # noqa: E731
-    out_tokens = sum(r.output_tokens for r in ok)
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    e2e = [r.latency for r in ok if r.latency is not None]
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok
-            if r.latency is not None and r.ttft is not None and r.output_tokens > 1]
-    with_forwards = [r for r in ok if r.forwards]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error] = errors.get(r.error, 0) + 1
-    row: dict[str, Any] = {
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "output_tokens": out_tokens,
-        "input_tokens": sum(r.prompt_tokens for r in ok),
-        "output_tok_per_s": round(out_tokens / duration, 3) if duration > 0 else 0.0,
-        "req_per_s": round(len(ok) / duration, 4) if duration > 0 else 0.0,
-    }
-    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("e2e_ms", e2e)):
-        row[f"{name}_mean"] = ms(sum(values) / len(values)) if values else None
-        for q in PERCENTILES:
-            row[f"{name}_p{q}"] = ms(percentile(values, q))
-    row["tokens_per_forward"] = (round(sum(r.output_tokens for r in with_forwards)
-                                       / sum(r.forwards for r in with_forwards), 4) if with_forwards else None)
-    row["errors"] = errors
-    return row
-
-
 def summarize_level(level: Level, results: list[Result], duration: float) -> dict:
     groups = sorted({(r.domain, r.mode) for r in results})
     return {
@@ -339,19 +196,16 @@ async def bench(args: argparse.Namespace) -> dict:
         print(f"bench: --base-url {base_url} ends with /v1: using {base_url[:-3]} (the server's root)",
               file=sys.stderr)
         base_url = base_url[:-3]
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args.api_key)
     levels = ([Level("concurrency", c) for c in args.concurrency] if args.concurrency
               else [Level("request_rate", r) for r in args.request_rate])
     most = max(int(lv.value) if lv.kind == "concurrency" else (args.max_concurrency or 64) for lv in levels)
-    limits = httpx.Limits(max_connections=most + 8, max_keepalive_connections=most + 8)
-    timeout = httpx.Timeout(args.request_timeout, connect=10.0)
-    # trust_env=False: the benchmark's traffic never goes through a proxy from the environment.
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout, trust_env=False) as client:
+    async with http_client(most, args.request_timeout) as client:
         model, is_redraft, info = await detect(client, base_url, headers, args)
         runner = Runner(args, client, base_url, model, is_redraft, headers)
         if args.warmup:
             warm = make_prompts(args.domains, args.warmup, args.seed - 1, (0, 0), (16, 16))
-            results = await asyncio.gather(*[runner._send(i, p) for i, p in enumerate(warm)])
+            results = await asyncio.gather(*[runner.send(i, p) for i, p in enumerate(warm)])
             bad = [r.error for r in results if not r.ok]
             if bad:
                 raise RuntimeError(f"the warm-up failed: {bad[0]}")
@@ -364,8 +218,8 @@ async def bench(args: argparse.Namespace) -> dict:
             out_levels.append(row)
             o = row["overall"]
             print(f"{level.label}: {o['completed']}/{o['requests']} done in {duration:.1f}s, "
-                  f"{o['output_tok_per_s']:.1f} output tok/s, TTFT p50 {_f(o['ttft_ms_p50'])} ms, "
-                  f"E2E p50 {_f(o['e2e_ms_p50'])} ms", file=sys.stderr)
+                  f"{o['output_tok_per_s']:.1f} output tok/s, TTFT p50 {fmt(o['ttft_ms_p50'])} ms, "
+                  f"E2E p50 {fmt(o['e2e_ms_p50'])} ms", file=sys.stderr)
     return {
         "base_url": base_url,
         "model": model,
@@ -383,10 +237,6 @@ async def bench(args: argparse.Namespace) -> dict:
 
 
 # ---- output -----------------------------------------------------------------------------------------------
-def _f(v: Any, fmt: str = "{:.1f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
 def print_table(report: dict) -> None:
     print(f"\n{report['model']} at {report['base_url']} ({report['server_kind']})")
     print("| load | domain | mode | done/sent | output tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms "
@@ -395,23 +245,18 @@ def print_table(report: dict) -> None:
     for lv in report["levels"]:
         for g in [{"domain": "all", "mode": "all", **lv["overall"]}, *lv["groups"]]:
             print(f"| {lv['label']} | {g['domain']} | {g['mode']} | {g['completed']}/{g['requests']} "
-                  f"| {g['output_tok_per_s']:.1f} | {_f(g['ttft_ms_p50'])} / {_f(g['ttft_ms_p99'])} "
-                  f"| {_f(g['tpot_ms_p50'], '{:.2f}')} / {_f(g['tpot_ms_p99'], '{:.2f}')} "
-                  f"| {_f(g['e2e_ms_p50'])} / {_f(g['e2e_ms_p90'])} / {_f(g['e2e_ms_p99'])} "
-                  f"| {_f(g['tokens_per_forward'], '{:.2f}')} |")
+                  f"| {g['output_tok_per_s']:.1f} | {fmt(g['ttft_ms_p50'])} / {fmt(g['ttft_ms_p99'])} "
+                  f"| {fmt(g['tpot_ms_p50'], '{:.2f}')} / {fmt(g['tpot_ms_p99'], '{:.2f}')} "
+                  f"| {fmt(g['e2e_ms_p50'])} / {fmt(g['e2e_ms_p90'])} / {fmt(g['e2e_ms_p99'])} "
+                  f"| {fmt(g['tokens_per_forward'], '{:.2f}')} |")
     for lv in report["levels"]:
-        for err, count in lv["overall"]["errors"].items():
-            print(f"{lv['label']}: {count} failed: {err}")
+        print_errors(lv["label"], lv["overall"]["errors"])
 
 
 def plot(report: dict, path: Path) -> bool:
     """Four panels over the load levels; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     levels = report["levels"]
     xs = list(range(len(levels)))
@@ -452,9 +297,7 @@ def plot(report: dict, path: Path) -> bool:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(f"redraft bench: {report['model']} ({report['server_kind']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path, dpi=110)
     return True
 
 

@@ -20,7 +20,8 @@ from live_server import RedraftServer
 httpx = pytest.importorskip("httpx")
 from fastapi import Request  # noqa: E402 - the stand-in server's route annotation, resolved at module level
 
-from redraft.clients.bench import make_prompts, percentile  # noqa: E402
+from redraft.clients.bench import make_prompts  # noqa: E402
+from redraft.clients.loadgen import percentile  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

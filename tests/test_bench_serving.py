@@ -13,8 +13,10 @@ pytest.importorskip("httpx")
 
 from bench_scripts import bench_module, bench_script  # noqa: E402
 
+from redraft.clients.loadgen import percentile  # noqa: E402
+
 bench_serving = bench_module("bench_serving")
-make_prompts, percentile = bench_serving.make_prompts, bench_serving.percentile
+make_prompts = bench_serving.make_prompts
 
 ROW_FIELDS = {
     "concurrency", "requests", "completed", "failed", "duration_s", "req_per_s", "output_tokens", "output_tok_per_s",
