@@ -185,3 +185,13 @@ def test_the_openai_page_lists_every_field_the_openai_routes_carry() -> None:
               for name in re.findall(r"`([a-z_]+)`", row.split(" | ")[0])}
     assert [name for name in carried(OPENAI) if name not in listed] == []
 
+
+
+def test_the_engine_reads_a_requests_thresholds_from_its_slot_row_only() -> None:
+    """The step and structured output's sweep read the thresholds from the same slot rows (SlotState, filled
+    from the request's record): no engine module besides slots.py reads them off the request."""
+    readers = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "engine").rglob("*.py"))
+               if re.search(r"\bparams\.(edit_)?threshold\b|\bp\.(edit_)?threshold\b", path.read_text())]
+    assert readers == ["engine/decoding/slots.py"]
+    sweep = (ROOT / "engine" / "runtime" / "grammar_step.py").read_text()
+    assert "runner.slots.threshold[" in sweep

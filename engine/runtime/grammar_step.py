@@ -31,13 +31,14 @@ def constrain_rows(runner: ModelRunner, logits: torch.Tensor, slots: torch.Tenso
     dev, b, mask = runner.device, runner.block_size, runner.mask_id
     idx = torch.tensor(rows, device=dev)
     before_rows, after_rows = before[idx].tolist(), result.tokens[idx].tolist()
+    thresholds = runner.slots.threshold[slots[idx]].tolist()  # the rows the step read (SlotState), not r.params
     for j, i in enumerate(rows):
         r, n = reqs[i], lens[i]
         c: Constraint = r.state.constraint  # type: ignore[assignment]
         fixed: list[list[int]] = []
         guard(runner.faults, failed, r.rid, "sweep", lambda: fixed.append(c.sweep(
             r.state.window_start * b, before_rows[j][:n], after_rows[j][:n], mask,
-            lambda pos, row=i: candidates(logits[row, pos]), r.params.threshold,
+            lambda pos, row=i: candidates(logits[row, pos]), thresholds[j],
             lambda pos, bitmask, row=i: masked_argmax(logits[row, pos], bitmask))))
         if fixed and fixed[0] != after_rows[j][:n]:
             result.tokens[i, :n] = torch.tensor(fixed[0], device=dev)
