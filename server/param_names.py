@@ -8,7 +8,7 @@ name into the route's, so that every refusal names a field of the request the cl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from redraft.protocol.errors import RequestError
@@ -54,13 +54,22 @@ class RouteNames:
 
 
 _OPENAI_SPELLED = openai_spellings()  # {"max_new_tokens": "max_tokens"}: each field's declared `openai_name`
-CHAT = RouteNames(engine={**_OPENAI_SPELLED, "input_ids": "messages"}, spelled=_OPENAI_SPELLED)
-COMPLETIONS = RouteNames(engine={**_OPENAI_SPELLED, "input_ids": "prompt"}, spelled=_OPENAI_SPELLED)
+
+
+def route_names(prompt: str, *, params_prefix: str = "", spelled: Mapping[str, str] | None = None) -> RouteNames:
+    """A route whose prompt comes in `prompt`: the engine's refusals of the fields the routes spell their own way
+    (each declared `openai_name`: max_new_tokens) name the route's field as its SamplingParams refusals do
+    (`max_tokens`, or `sampling_params.max_new_tokens` on /generate)."""
+    names = RouteNames(params_prefix=params_prefix, spelled=spelled or {})
+    return replace(names, engine={**{name: names.param(name) for name in _OPENAI_SPELLED}, "input_ids": prompt})
+
+
+CHAT = route_names("messages", spelled=_OPENAI_SPELLED)
+COMPLETIONS = route_names("prompt", spelled=_OPENAI_SPELLED)
 PROMPT_LOGPROBS = RouteNames(engine={"input_ids": "prompt"})  # echo on completions, input logprobs on /generate
 SCORE = RouteNames(engine={"input_ids": "items"})
 
 
 def generate_names(prompt: str) -> RouteNames:
     """/generate's names; `prompt`: the field its prompt came in (text or input_ids)."""
-    return RouteNames(engine={"input_ids": prompt, "max_new_tokens": "sampling_params.max_new_tokens"},
-                      params_prefix="sampling_params.")
+    return route_names(prompt, params_prefix="sampling_params.")

@@ -22,8 +22,8 @@ from redraft.protocol.server_args import ServerArgs
 from redraft.server.dials import DIALS
 from redraft.server.native_api import GenerateBody
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, _CommonShaped
-from redraft.server.param_names import CHAT, COMPLETIONS
-from redraft.server.request_fields import carried, dial_types, pydantic_fields
+from redraft.server.param_names import CHAT, COMPLETIONS, generate_names
+from redraft.server.request_fields import carried, dial_types, openai_spellings, pydantic_fields
 from redraft.server.responses_api import CHAT_EXTRAS, ResponsesRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,3 +195,15 @@ def test_the_engine_reads_a_requests_thresholds_from_its_slot_row_only() -> None
     assert readers == ["engine/decoding/slots.py"]
     sweep = (ROOT / "engine" / "runtime" / "grammar_step.py").read_text()
     assert "runner.slots.threshold[" in sweep
+
+
+def test_engine_refusals_name_the_field_a_sampling_params_refusal_would() -> None:
+    """Each route names an engine refusal of a field the routes spell their own way (max_new_tokens) as its
+    SamplingParams refusal names it: the table is made from the declared `openai_name`s, the same on /generate."""
+    assert openai_spellings() == {"max_new_tokens": "max_tokens"}
+    for names in (CHAT, COMPLETIONS, generate_names("text"), generate_names("input_ids")):
+        for name in openai_spellings():
+            assert names.engine_param(name) == names.param(name)
+    assert generate_names("text").engine == {"input_ids": "text",
+                                             "max_new_tokens": "sampling_params.max_new_tokens"}
+    assert CHAT.engine == {"input_ids": "messages", "max_new_tokens": "max_tokens"}
