@@ -11,7 +11,8 @@ knows a field reads it from there:
                                the operator's flags (ServerArgs.request_defaults)
     the HTTP models            server/request_fields.py: the pydantic fields of the chat, completions and
                                /generate bodies, the dials, the fields Responses carries, OpenAI's spellings
-    the command line           `redraft generate`'s request flags (redraft/cli.py)
+    the command line           `redraft generate`'s request flags (redraft/cli.py), `redraft eval-demo --set`'s
+                               parameters (training/evaluate.py SWEEPABLE)
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class FieldSpec:
     generation_config: tuple[str, ...] = ()  # the keys generation_config.json may hold it under, first wins
     operator_flag: str | None = None  # the ServerArgs field of the operator's level
     cli: bool = False  # a flag of `redraft generate` (--the-name)
+    sweep: bool = False  # a parameter `redraft eval-demo --set` may change in every setting (training/evaluate.py)
     name: str = ""
     kind: type = object  # int, float, str, bool; tuple for the fields routes shape themselves
     default: Any = None

@@ -122,19 +122,19 @@ class SamplingParams:
     threshold: float | None = request_field(
         "confidence above which a mask is drafted (default: the mode's)", ge=0.0, le=1.0,
         routes=CHAT_AND_RESPONSES, dial=True, preset={"Q": 0.7, "S": 0.5}, generation_config=("threshold",),
-        cli=True)
+        cli=True, sweep=True)
     edit_threshold: float | None = request_field(
         "confidence above which a drafted token is replaced (1.0: editing off; default: the mode's)", ge=0.0,
         le=1.0, routes=CHAT_AND_RESPONSES, dial=True, preset={"Q": 0.5, "S": 0.0},
-        generation_config=("edit_threshold", "editing_threshold"), cli=True)  # (diffusers' spelling second)
+        generation_config=("edit_threshold", "editing_threshold"), cli=True, sweep=True)  # (diffusers' spelling second)
     max_post_steps: int | None = request_field(
         "editing forwards allowed after a block has no mask left (default: the mode's)", ge=0, le=1024,
         routes=CHAT_AND_RESPONSES, dial=True, preset={"Q": 16, "S": 16}, generation_config=("max_post_steps",),
-        cli=True)
+        cli=True, sweep=True)
     mbe_window: int | None = request_field(
         "multi-block editing: open blocks a forward may still edit (1: the official single-block loop; "
         "docs/mbe.md)", ge=1, le=MAX_MBE_WINDOW, routes=CHAT_AND_RESPONSES, dial=True, builtin=1,
-        operator_flag="mbe_window")
+        operator_flag="mbe_window", sweep=True)
     decoder: str | None = request_field(
         "LLaDA2.2: the insert/delete step (default on such a checkpoint) or LLaDA2.1's (docs/llada22.md)",
         choices=DECODERS, routes=CHAT_AND_RESPONSES, dial=True, builtin="threshold", cli=True)
@@ -153,7 +153,7 @@ class SamplingParams:
     # Logit controls (engine/decoding/logit_controls.py defines them for block diffusion)
     stutter_penalty: float = request_field(
         "lowers the logit of the token the previous position holds", default=0.0, ge=0.0, le=100.0,
-        routes=CHAT_AND_RESPONSES, dial=True)
+        routes=CHAT_AND_RESPONSES, dial=True, sweep=True)
     frequency_penalty: float = request_field(
         "per occurrence in the committed output (OpenAI)", default=0.0, ge=-2.0, le=2.0, routes=CHAT_AND_RESPONSES)
     presence_penalty: float = request_field(

@@ -25,6 +25,8 @@ from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequ
 from redraft.server.param_names import CHAT, COMPLETIONS, generate_names
 from redraft.server.request_fields import carried, dial_types, openai_spellings, pydantic_fields
 from redraft.server.responses_api import CHAT_EXTRAS, ResponsesRequest
+from redraft.training.evaluate import SWEEPABLE
+from redraft.training.evaluate import main as evaluate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "min_length": "minLength",
@@ -207,3 +209,16 @@ def test_engine_refusals_name_the_field_a_sampling_params_refusal_would() -> Non
     assert generate_names("text").engine == {"input_ids": "text",
                                              "max_new_tokens": "sampling_params.max_new_tokens"}
     assert CHAT.engine == {"input_ids": "messages", "max_new_tokens": "max_tokens"}
+
+
+def test_eval_demo_sweeps_the_declared_fields_within_their_range(capsys) -> None:
+    assert SWEEPABLE == {name: spec.kind for name, spec in FIELDS.items() if spec.sweep}
+    assert SWEEPABLE == {"threshold": float, "edit_threshold": float, "max_post_steps": int, "mbe_window": int,
+                         "stutter_penalty": float}  # the list it had by hand
+    with pytest.raises(SystemExit):
+        evaluate_main(["--model", "/nonexistent", "--set", "threshold=1.5"])
+    assert "--set threshold must be a number in [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate_main(["--model", "/nonexistent", "--set", "steps=4"])
+    assert "PARAM one of edit_threshold, max_post_steps, mbe_window, stutter_penalty, threshold" in \
+        capsys.readouterr().err

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from redraft.protocol.fields import refusal
+from redraft.protocol.sampling_params import FIELDS
 from redraft.training.open_tasks import OPEN_FAMILIES, check
 from redraft.training.tasks import SUITES, Example, eval_set, is_correct, render_prompt
 
@@ -41,9 +43,8 @@ MODE_PARAMS: dict[str, dict[str, Any]] = {
 }
 ALL_MODES = ["Q", "S", "S-noedit", "Q-noedit"]
 MBE_MODES = ["S-W2", "S-W3", "Q-W2", "Q-W3"]
-# what --set may change in every setting, with its type
-SWEEPABLE = {"threshold": float, "edit_threshold": float, "max_post_steps": int, "mbe_window": int,
-             "stutter_penalty": float}
+# what --set may change in every setting, with its type: the fields declared `sweep` (protocol/sampling_params.py)
+SWEEPABLE: dict[str, type] = {name: spec.kind for name, spec in FIELDS.items() if spec.sweep}
 MAX_NEW_TOKENS = {"v1": 64, "v2": 128, "v3": 128, "v4": 128}  # v2: count and repeat answers run to ~100 tokens
 
 
@@ -317,6 +318,8 @@ def main(argv: list[str] | None = None, default_format: str = "json", prog: str 
         if not sep or key not in SWEEPABLE:
             p.error(f"--set takes PARAM=VALUE with PARAM one of {', '.join(sorted(SWEEPABLE))}, not {item!r}")
         overrides[key] = SWEEPABLE[key](value)
+        if (why := refusal(FIELDS[key], overrides[key])) is not None:  # the field's declared range
+            p.error(f"--set {why}")
     result = evaluate(model, args.per_family, modes, args.seed, threads=args.threads, suite=suite,
                       families=args.families, overrides=overrides)
     if args.out:
