@@ -10,7 +10,8 @@ knows a field reads it from there:
     the defaults chain         Defaults' fields, BUILTIN_DEFAULTS, PRESETS, generation_config.json's keys,
                                the operator's flags (ServerArgs.request_defaults)
     the HTTP models            server/request_fields.py: the pydantic fields of the chat, completions and
-                               /generate bodies, the dials, the fields Responses carries, OpenAI's spellings
+                               /generate bodies (those a body shapes its own way from the field's `shapes`), the
+                               dials, the fields Responses carries, OpenAI's spellings
     the command line           `redraft generate`'s request flags (redraft/cli.py), `redraft eval-demo --set`'s
                                parameters (training/evaluate.py SWEEPABLE)
 """
@@ -31,6 +32,22 @@ RESPONSES = "responses"  # /v1/responses' extra_body, handed on to the chat requ
 GENERATE_TOP = "generate_top"  # /generate's body itself, as SGLang's return_* flags
 ROUTES = (OPENAI, RESPONSES, GENERATE_TOP)
 CHAT_AND_RESPONSES = frozenset({OPENAI, RESPONSES})
+# The bodies that spell a field their own way (FieldSpec.shapes): OPENAI for the part chat and completions share,
+# then each route's own body
+CHAT, COMPLETIONS, RESPONSES_BODY, GENERATE_BODY = "chat", "completions", "responses_body", "generate_body"
+BODIES = (OPENAI, CHAT, COMPLETIONS, RESPONSES_BODY, GENERATE_BODY)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one body carries a field in a shape of its own: `stop` as a string or a list, `logit_bias` as an object,
+    `logprobs` a flag on chat and a count of alternatives on completions, SGLang's `top_logprobs_num`."""
+
+    annotation: Any  # the body's type (a typing expression; the HTTP side adds `| None` where the default is None)
+    default: Any = None
+    bounds: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # pydantic Field's ge / le / max_length
+    name: str | None = None  # the body's name for it, where it differs
+    help: str | None = None  # the body's meaning, where it differs
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,7 @@ class FieldSpec:
     generation_config: tuple[str, ...] = ()  # the keys generation_config.json may hold it under, first wins
     operator_flag: str | None = None  # the ServerArgs field of the operator's level
     cli: bool = False  # a flag of `redraft generate` (--the-name)
+    shapes: Mapping[str, Shape] = dataclasses.field(default_factory=dict)  # body (BODIES) -> its own shape there
     sweep: bool = False  # a parameter `redraft eval-demo --set` may change in every setting (training/evaluate.py)
     name: str = ""
     kind: type = object  # int, float, str, bool; tuple for the fields routes shape themselves

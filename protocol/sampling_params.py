@@ -35,8 +35,9 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from redraft.protocol.fields import (CHAT_AND_RESPONSES, GENERATE_TOP, INT64_MAX, OPENAI, RESPONSES, FieldSpec,
-                                     field_specs, is_int, is_num, refusal, request_field)
+from redraft.protocol.fields import (CHAT, CHAT_AND_RESPONSES, COMPLETIONS, GENERATE_BODY, GENERATE_TOP, INT64_MAX,
+                                     OPENAI, RESPONSES, RESPONSES_BODY, FieldSpec, Shape, field_specs, is_int, is_num,
+                                     refusal, request_field)
 
 BLOCK_SIZE = 32  # LLaDA2.1 decodes in blocks of 32 tokens; one KV page holds exactly one block.
 
@@ -71,6 +72,8 @@ MAX_STOP_STRINGS = 4  # OpenAI's cap, on every route
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_DOMAIN_LEN = 64  # as on the OpenAI routes: a label, not a text
+MAX_TOP_LOGPROBS = 20  # alternatives per position
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' `logprobs` count, as OpenAI caps it
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark")  # structured output: the constraint fields
 
 
@@ -109,10 +112,13 @@ class SamplingParams:
     seed: int | None = request_field(
         "the request's sampling seed (temperature > 0)", ge=-INT64_MAX - 1, le=INT64_MAX,
         message="seed must be an integer in [-2^63, 2^63)", routes=CHAT_AND_RESPONSES)
-    # route-shaped: a string or a list on the OpenAI routes (server/openai_protocol.py)
-    stop: tuple[str, ...] = request_field("strings that end the output", default=(), routes=CHAT_AND_RESPONSES)
-    stop_token_ids: tuple[int, ...] = request_field("token ids that end the output", default=(),
-                                                    routes=frozenset({OPENAI}))
+    # route-shaped: a string or a list on the OpenAI routes (bounded there by their validator, with the words of
+    # _check_containers below)
+    stop: tuple[str, ...] = request_field("strings that end the output", default=(), routes=CHAT_AND_RESPONSES,
+                                          shapes={OPENAI: Shape(str | list[str])})
+    stop_token_ids: tuple[int, ...] = request_field(
+        "token ids that end the output", default=(), routes=frozenset({OPENAI}),
+        shapes={OPENAI: Shape(list[int], bounds={"max_length": MAX_STOP_TOKEN_IDS})})
     ignore_eos: bool = request_field("go on past EOS, up to max_new_tokens", default=False,
                                      routes=CHAT_AND_RESPONSES)
     mode: str | None = request_field(
@@ -148,8 +154,19 @@ class SamplingParams:
     domain: str | None = request_field(
         "the request's domain (code, math, chat ...): mode auto and the metrics' label read it",
         max_length=MAX_DOMAIN_LEN, routes=CHAT_AND_RESPONSES, dial=True)
-    logprobs: bool = request_field("per-token logprobs (of the forward that last saw each block)", default=False)
-    top_logprobs: int = request_field("and the top alternatives at each position", default=0, ge=0, le=20)
+    # each route its own spelling: a flag on chat, a count of alternatives on completions, SGLang's on /generate
+    # (Responses asks through `include`)
+    logprobs: bool = request_field(
+        "per-token logprobs (of the forward that last saw each block)", default=False, shapes={
+            CHAT: Shape(bool, default=False),
+            COMPLETIONS: Shape(int, bounds={"ge": 0, "le": MAX_COMPLETION_LOGPROBS},
+                               help="per-token logprobs with this many alternatives at each position"),
+            GENERATE_BODY: Shape(bool, default=False, name="return_logprob")})
+    top_logprobs: int = request_field(
+        "and the top alternatives at each position", default=0, ge=0, le=MAX_TOP_LOGPROBS, shapes={
+            CHAT: Shape(int, bounds={"ge": 0, "le": MAX_TOP_LOGPROBS}),
+            RESPONSES_BODY: Shape(int, bounds={"ge": 0, "le": MAX_TOP_LOGPROBS}),
+            GENERATE_BODY: Shape(int, default=0, bounds={"ge": 0, "le": MAX_TOP_LOGPROBS}, name="top_logprobs_num")})
     # Logit controls (engine/decoding/logit_controls.py defines them for block diffusion)
     stutter_penalty: float = request_field(
         "lowers the logit of the token the previous position holds", default=0.0, ge=0.0, le=100.0,
@@ -163,9 +180,10 @@ class SamplingParams:
     repetition_penalty: float = request_field(
         "on tokens of the prompt or the committed output (HF / vLLM)", default=1.0, ge=0.01, le=100.0,
         routes=CHAT_AND_RESPONSES)
-    # route-shaped: a JSON object on the OpenAI routes
+    # route-shaped: a JSON object on the OpenAI routes (token id as a string -> bias)
     logit_bias: tuple[tuple[int, float], ...] = request_field(
-        f"(token id, -100..100), at most {MAX_LOGIT_BIAS} (OpenAI)", default=(), routes=frozenset({OPENAI}))
+        f"(token id, -100..100), at most {MAX_LOGIT_BIAS} (OpenAI)", default=(), routes=frozenset({OPENAI}),
+        shapes={OPENAI: Shape(dict[str, float], bounds={"max_length": MAX_LOGIT_BIAS})})
     min_tokens: int = request_field("no EOS / stop token before this many output tokens (vLLM)", default=0, ge=0,
                                     le=INT64_MAX, routes=CHAT_AND_RESPONSES, openai={"le": None})
     # Output text (SGLang's; the HTTP side's detokenizer applies them, the engine never sees them)

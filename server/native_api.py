@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
-from redraft.protocol.fields import GENERATE_TOP
+from redraft.protocol.fields import GENERATE_BODY, GENERATE_TOP
 from redraft.protocol.sampling_params import FIELDS, SamplingParams, SamplingParamsError
 from redraft.server.common import (RETRY_AFTER, ChoiceStream, ServerState, check_choice_count, check_logit_bias_keys,
                                    check_model, check_request_id, check_token_ids, client_rid, engine_error, engine_rid,
@@ -34,7 +34,7 @@ from redraft.server.metrics import CONTENT_TYPE_LATEST
 from redraft.server.openai_api import aborted_error
 from redraft.server.openai_protocol import reject_lone_surrogates, reject_loose_booleans
 from redraft.server.param_names import RouteNames, generate_names
-from redraft.server.request_fields import carried, pydantic_fields
+from redraft.server.request_fields import carried, pydantic_fields, shaped_fields
 from redraft.server.routing import DepthCheckedRoute, State
 from redraft.server.structured import check_native_constraint
 
@@ -57,10 +57,9 @@ class _GenerateShaped(BaseModel):
     stream: bool = False
     rid: str | None = None  # as X-Request-Id: checked below
     # SGLang's logprob fields: output logprobs (return_logprob), the prompt's from logprob_start_len (-1: none),
-    # top_logprobs_num alternatives at each position; entries are [logprob, id, text], text None unless asked
-    return_logprob: bool = False
+    # top_logprobs_num alternatives at each position (those two: `GenerateBody`, from the declarations); entries
+    # are [logprob, id, text], text None unless asked
     logprob_start_len: int = Field(default=-1, ge=-1)
-    top_logprobs_num: int = Field(default=0, ge=0, le=20)
     return_text_in_logprobs: bool = False  # the third entry of each logprob tuple: the token's text
     # what SGLang clients and sglang-router add (docs/scaling.md): `model` must name the served model; the
     # logging switches are no-ops; the features redraft lacks are accepted only when off
@@ -92,7 +91,7 @@ class _GenerateShaped(BaseModel):
 # watching the decoding (docs/denoise.md) at the top level as SGLang's return_* flags (or in sampling_params): an
 # `event: denoise` per forward on a stream, meta_info.step_maps, placement log-probabilities (docs/rl.md)
 GenerateBody = create_model("GenerateBody", __base__=_GenerateShaped, __module__=__name__,
-                            **pydantic_fields(GENERATE_TOP))
+                            **pydantic_fields(GENERATE_TOP), **shaped_fields(GENERATE_BODY))
 
 class AbortBody(BaseModel):
     """SGLang's AbortReq: a request by its id, or every request (`abort_all`)."""

@@ -10,13 +10,12 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from redraft.protocol.fields import OPENAI
-from redraft.protocol.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from redraft.protocol.fields import CHAT, COMPLETIONS, OPENAI
+from redraft.protocol.sampling_params import MAX_STOP_LEN, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from redraft.server.dials import lift_dials, without_dials
-from redraft.server.request_fields import pydantic_fields
+from redraft.server.request_fields import pydantic_fields, shaped_fields
 
 MAX_N = 16
-MAX_TOP_LOGPROBS = 20
 
 log = logging.getLogger("redraft.http")
 
@@ -287,19 +286,16 @@ class StructuredOutputs(Strict):
 
 
 class _CommonShaped(Strict):
-    """Fields shared by chat and completions that are the route's own, or that it shapes itself (`stop` as a string or
-    a list, `logit_bias` as an object, structured output's many spellings); `_Common` adds the request fields it
-    carries as declared (protocol/sampling_params.py `SamplingParams`, server/request_fields.py)."""
+    """Fields shared by chat and completions that are the route's own (structured output's many spellings);
+    `_Common` adds the request fields it carries as declared (protocol/sampling_params.py `SamplingParams`,
+    server/request_fields.py), `stop` as a string or a list and `logit_bias` as an object among them."""
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # structured output beyond response_format (SGLang's extras regex / ebnf / lark are request fields): see
     # docs/structured-output.md; vLLM's spellings are mapped onto the same constraints (server/structured.py)
     response_format: ResponseFormat | None = None
@@ -334,7 +330,7 @@ class _CommonShaped(Strict):
             data["chat_template_kwargs"] = without_dials(data["chat_template_kwargs"])
         return data
 
-    @field_validator("stop")
+    @field_validator("stop", check_fields=False)  # (declared in `_Common`)
     @classmethod
     def _stop_bounds(cls, v: str | list[str] | None) -> list[str] | None:
         if v is None:
@@ -361,15 +357,16 @@ class _CommonShaped(Strict):
 # output-text flags), made from their declarations (server/request_fields.py)
 _Common = create_model("_Common", __base__=_CommonShaped, __module__=__name__,
                        __doc__="Fields shared by chat and completions, including the diffusion ones sent through "
-                               "`extra_body`.", **pydantic_fields(OPENAI, skip=_CommonShaped.model_fields))
+                               "`extra_body`.", **pydantic_fields(OPENAI, skip=_CommonShaped.model_fields),
+                       **shaped_fields(OPENAI))
 
 
-class ChatCompletionRequest(_Common):
+class _ChatShaped(_Common):
+    """A chat body less what `ChatCompletionRequest` adds from the declarations (logprobs, top_logprobs)."""
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceNamed | None = None
     parallel_tool_calls: bool | None = None
@@ -391,6 +388,10 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+ChatCompletionRequest = create_model("ChatCompletionRequest", __base__=_ChatShaped, __module__=__name__,
+                                     __doc__=None, **shaped_fields(CHAT))
+
+
 def check_prefill(messages: list[Any], continue_final: bool, add_generation_prompt: bool | None) -> None:
     """continue_final_message continues the last message, which must be an assistant's text (not calls), and
     excludes add_generation_prompt (as vLLM: both true is a contradiction)."""
@@ -408,10 +409,11 @@ def check_prefill(messages: list[Any], continue_final: bool, add_generation_prom
                                                          "assistant message with text content (no tool calls)")
 
 
-class CompletionRequest(_Common):
+class _CompletionShaped(_Common):
+    """A completions body less what `CompletionRequest` adds from the declarations (logprobs, as a count)."""
+
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
     max_tokens: int | None = Field(default=16, ge=0)  # 0: with echo, score the prompt only
-    logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     logprob_start_len: int | None = Field(default=None, ge=0)  # echo: prompt positions before it get no logprob
     suffix: str | None = None
@@ -438,3 +440,7 @@ class CompletionRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+CompletionRequest = create_model("CompletionRequest", __base__=_CompletionShaped, __module__=__name__,
+                                 __doc__=None, **shaped_fields(COMPLETIONS))

@@ -4,8 +4,9 @@ spellings are, read from each field's one declaration (`SamplingParams`, protoco
 `pydantic_fields(route)` gives the pydantic fields a route's body model is made with (`pydantic.create_model`):
 the field's allowed values as a Literal, its range as ge / gt / le or min / max_length (the route's own bound
 where it differs: OpenAI's temperature cap), its help as the OpenAPI description, null for unset (a flag has its
-default). The fields a route shapes itself (`stop` as a string or a list, `logit_bias` as an object, ...) stay
-declared in its model; tests/test_request_fields.py checks that every field a route carries is in its model.
+default). `shaped_fields(body)` gives those a body spells its own way, from the same declarations (`stop` as a
+string or a list, `logit_bias` as an object, `logprobs` a flag on chat and a count on completions, SGLang's
+`top_logprobs_num`). tests/test_request_fields.py checks that every field a route carries is in its model.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ def pydantic_fields(route: str, *, skip: Iterable[str] = (), only: Iterable[str]
     names = carried(route, specs) if only is None else tuple(only)
     return {name: pydantic_field(specs[name], route) for name in names
             if name not in set(skip) and specs[name].scalar}
+
+
+def shaped_fields(body: str, specs: Mapping[str, FieldSpec] = FIELDS) -> dict[str, tuple[Any, Any]]:
+    """name -> (annotation, FieldInfo) of the fields `body` (protocol/fields.py BODIES) spells its own way (each
+    declared field's `shapes`), under the body's name for each, in declaration order."""
+    out = {}
+    for name, spec in specs.items():
+        if (shape := spec.shapes.get(body)) is not None:
+            annotation = shape.annotation if shape.default is not None else shape.annotation | None
+            out[shape.name or name] = (annotation, Field(default=shape.default, description=shape.help or spec.help,
+                                                         **shape.bounds))
+    return out
 
 
 def carried(route: str, specs: Mapping[str, FieldSpec] = FIELDS) -> tuple[str, ...]:

@@ -24,14 +24,14 @@ from pydantic import Field, create_model, model_validator
 
 from redraft.engine.text.output_stream import OutputStream
 from redraft.protocol.errors import RequestError
-from redraft.protocol.fields import OPENAI, RESPONSES
+from redraft.protocol.fields import OPENAI, RESPONSES, RESPONSES_BODY
 from redraft.server.common import ChoiceStream, ServerState, merge_updates, run_all, run_until_disconnect
 from redraft.server.openai_api import (ChatStart, aborted, aborted_error, chat_logprobs, diffusion_stats,
                                        forced_tool_call, split_tool_output, start_chat)
-from redraft.server.openai_protocol import (MAX_TOP_LOGPROBS, ChatCompletionRequest, Strict, UnsupportedValue,
+from redraft.server.openai_protocol import (ChatCompletionRequest, Strict, UnsupportedValue,
                                             drop_ignored_fields, merge_extra_body, reject_lone_surrogates,
                                             reject_loose_booleans)
-from redraft.server.request_fields import carried, pydantic_fields
+from redraft.server.request_fields import carried, pydantic_fields, shaped_fields
 from redraft.server.routing import DepthCheckedRoute, State
 
 # Responses fields that change nothing here (besides the chat ones in openai_protocol.IGNORED_FIELDS)
@@ -61,7 +61,6 @@ class _ResponsesShaped(Strict):
     store: bool | None = None
     previous_response_id: str | None = None
     background: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
     include: list[str] | None = Field(default=None, max_length=16)  # OUTPUT_LOGPROBS; others name nothing here
     extras: dict[str, Any] = Field(default_factory=dict)  # CHAT_EXTRAS and IGNORED, gathered by the validator
 
@@ -88,9 +87,11 @@ class _ResponsesShaped(Strict):
 
 
 
-# temperature and top_p at the top level, as OpenAI's Responses has them (with the OpenAI routes' bounds)
+# temperature and top_p at the top level, as OpenAI's Responses has them (with the OpenAI routes' bounds), and
+# top_logprobs (alternatives per token)
 ResponsesRequest = create_model("ResponsesRequest", __base__=_ResponsesShaped, __module__=__name__,
-                                **pydantic_fields(OPENAI, only=("temperature", "top_p")))
+                                **pydantic_fields(OPENAI, only=("temperature", "top_p")),
+                                **shaped_fields(RESPONSES_BODY))
 
 # ---- the request as a chat request -----------------------------------------------------------------------------
 def _text_of(content: Any, where: str) -> str:

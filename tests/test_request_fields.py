@@ -15,15 +15,18 @@ import pytest
 from pydantic import ValidationError, create_model
 
 from redraft.cli import add_request_flags, build_parser
-from redraft.protocol.fields import GENERATE_TOP, OPENAI, RESPONSES, FieldSpec, refusal
+from redraft.protocol.fields import (BODIES, CHAT, COMPLETIONS, GENERATE_BODY, GENERATE_TOP, OPENAI, RESPONSES,
+                                     RESPONSES_BODY, FieldSpec, Shape, refusal)
 from redraft.protocol.sampling_params import (BUILTIN_DEFAULTS, CHAINED, FIELDS, PRESETS, Defaults, ResolvedParams,
                                               SamplingParams, SamplingParamsError)
 from redraft.protocol.server_args import ServerArgs
 from redraft.server.dials import DIALS
 from redraft.server.native_api import GenerateBody
 from redraft.server.openai_protocol import ChatCompletionRequest, CompletionRequest, _CommonShaped
-from redraft.server.param_names import CHAT, COMPLETIONS, generate_names
-from redraft.server.request_fields import carried, dial_types, openai_spellings, pydantic_fields
+from redraft.server.param_names import CHAT as CHAT_NAMES
+from redraft.server.param_names import COMPLETIONS as COMPLETIONS_NAMES
+from redraft.server.param_names import generate_names
+from redraft.server.request_fields import carried, dial_types, openai_spellings, pydantic_fields, shaped_fields
 from redraft.server.responses_api import CHAT_EXTRAS, ResponsesRequest
 from redraft.training.evaluate import SWEEPABLE
 from redraft.training.evaluate import main as evaluate_main
@@ -94,7 +97,7 @@ def test_the_dials_and_the_spellings_are_the_declared_ones() -> None:
     assert {"mode", "threshold", "edit_threshold", "max_post_steps", "stream_denoise"} <= set(DIALS)
     for dial in DIALS:  # a dial rides every OpenAI-shaped route
         assert {OPENAI, RESPONSES} <= FIELDS[dial].routes, dial
-    assert CHAT.spelled == COMPLETIONS.spelled == {"max_new_tokens": "max_tokens"}
+    assert CHAT_NAMES.spelled == COMPLETIONS_NAMES.spelled == {"max_new_tokens": "max_tokens"}
 
 
 def test_no_route_restates_a_declared_field() -> None:
@@ -102,6 +105,7 @@ def test_no_route_restates_a_declared_field() -> None:
     no annotated class attribute of that name (they come from `pydantic_fields`). (vLLM's structured_outputs.regex
     is a field of its own object; /score's seed and the RL routes' pause mode are other things of the same name.)"""
     declared = {name for route in (OPENAI, GENERATE_TOP) for name in carried(route) if FIELDS[name].scalar}
+    declared |= {shape.name or name for name, spec in FIELDS.items() for shape in spec.shapes.values()}
     restated = []
     for path in [ROOT / "server" / f"{m}.py" for m in ("openai_protocol", "native_api", "responses_api")]:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -189,26 +193,61 @@ def test_the_openai_page_lists_every_field_the_openai_routes_carry() -> None:
 
 
 
-def test_the_engine_reads_a_requests_thresholds_from_its_slot_row_only() -> None:
-    """The step and structured output's sweep read the thresholds from the same slot rows (SlotState, filled
-    from the request's record): no engine module besides slots.py reads them off the request."""
-    readers = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "engine").rglob("*.py"))
-               if re.search(r"\bparams\.(edit_)?threshold\b|\bp\.(edit_)?threshold\b", path.read_text())]
-    assert readers == ["engine/decoding/slots.py"]
-    sweep = (ROOT / "engine" / "runtime" / "grammar_step.py").read_text()
-    assert "runner.slots.threshold[" in sweep
+BODY_MODELS = {OPENAI: (ChatCompletionRequest, CompletionRequest), CHAT: (ChatCompletionRequest,),
+               COMPLETIONS: (CompletionRequest,), RESPONSES_BODY: (ResponsesRequest,), GENERATE_BODY: (GenerateBody,)}
+
+
+def test_each_body_carries_its_own_shape_of_a_field_as_declared() -> None:
+    """The fields a body spells its own way come from the declarations' `shapes`: the body's name, its bounds and
+    the help; and the shapes the routes had before they moved, by hand."""
+    assert set(BODY_MODELS) == set(BODIES)
+    for name, spec in FIELDS.items():
+        for body, shape in spec.shapes.items():
+            for model in BODY_MODELS[body]:
+                got = schema_of(model, shape.name or name)
+                want = {**{BOUND_KEYS.get(k, k): v for k, v in shape.bounds.items()},
+                        "description": shape.help or spec.help}
+                if "max_length" in shape.bounds:  # an array's or an object's size
+                    want.pop("maxLength")
+                    want["maxItems" if got.get("type") == "array" else "maxProperties"] = shape.bounds["max_length"]
+                assert {k: got.get(k) for k in want} == want, (model.__name__, name)
+    assert schema_of(ChatCompletionRequest, "logprobs")["type"] == "boolean"
+    assert {k: schema_of(CompletionRequest, "logprobs")[k] for k in ("type", "minimum", "maximum")} == \
+        {"type": "integer", "minimum": 0, "maximum": 5}
+    assert schema_of(ResponsesRequest, "top_logprobs")["maximum"] == 20 == schema_of(GenerateBody, "top_logprobs_num")[
+        "maximum"] == schema_of(ChatCompletionRequest, "top_logprobs")["maximum"]
+    assert GenerateBody.model_fields["return_logprob"].default is False
+    assert schema_of(ChatCompletionRequest, "stop_token_ids")["maxItems"] == 64
+    assert schema_of(CompletionRequest, "logit_bias")["maxProperties"] == 300
+    stop = ChatCompletionRequest.model_json_schema()["properties"]["stop"]["anyOf"]
+    assert {b.get("type") for b in stop} == {"string", "array", "null"}
+    with pytest.raises(ValidationError, match="at most 4 stop strings"):  # the route's validator still reads it
+        CompletionRequest(prompt="x", stop=["a", "b", "c", "d", "e"])
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", logprobs=6)
+
+
+def test_a_shape_added_to_the_declarations_appears_in_its_body() -> None:
+    knob = FieldSpec("ids to avoid", shapes={CHAT: Shape(list[int], bounds={"max_length": 3}, name="avoid_ids")},
+                     name="avoid", kind=tuple, default=())
+    fields = shaped_fields(CHAT, specs={**FIELDS, "avoid": knob})
+    body = create_model("Body", __base__=_CommonShaped, **fields)
+    assert schema_of(body, "avoid_ids")["maxItems"] == 3 and body(avoid_ids=[1]).avoid_ids == [1]
+    with pytest.raises(ValidationError):
+        body(avoid_ids=[1, 2, 3, 4])
+    assert "avoid_ids" not in shaped_fields(COMPLETIONS, specs={**FIELDS, "avoid": knob})
 
 
 def test_engine_refusals_name_the_field_a_sampling_params_refusal_would() -> None:
     """Each route names an engine refusal of a field the routes spell their own way (max_new_tokens) as its
     SamplingParams refusal names it: the table is made from the declared `openai_name`s, the same on /generate."""
     assert openai_spellings() == {"max_new_tokens": "max_tokens"}
-    for names in (CHAT, COMPLETIONS, generate_names("text"), generate_names("input_ids")):
+    for names in (CHAT_NAMES, COMPLETIONS_NAMES, generate_names("text"), generate_names("input_ids")):
         for name in openai_spellings():
             assert names.engine_param(name) == names.param(name)
     assert generate_names("text").engine == {"input_ids": "text",
                                              "max_new_tokens": "sampling_params.max_new_tokens"}
-    assert CHAT.engine == {"input_ids": "messages", "max_new_tokens": "max_tokens"}
+    assert CHAT_NAMES.engine == {"input_ids": "messages", "max_new_tokens": "max_tokens"}
 
 
 def test_eval_demo_sweeps_the_declared_fields_within_their_range(capsys) -> None:
@@ -222,3 +261,13 @@ def test_eval_demo_sweeps_the_declared_fields_within_their_range(capsys) -> None
         evaluate_main(["--model", "/nonexistent", "--set", "steps=4"])
     assert "PARAM one of edit_threshold, max_post_steps, mbe_window, stutter_penalty, threshold" in \
         capsys.readouterr().err
+
+
+def test_the_engine_reads_a_requests_thresholds_from_its_slot_row_only() -> None:
+    """The step and structured output's sweep read the thresholds from the same slot rows (SlotState, filled
+    from the request's record): no engine module besides slots.py reads them off the request."""
+    readers = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "engine").rglob("*.py"))
+               if re.search(r"\bparams\.(edit_)?threshold\b|\bp\.(edit_)?threshold\b", path.read_text())]
+    assert readers == ["engine/decoding/slots.py"]
+    sweep = (ROOT / "engine" / "runtime" / "grammar_step.py").read_text()
+    assert "runner.slots.threshold[" in sweep
