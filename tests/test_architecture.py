@@ -155,17 +155,22 @@ def test_http_process_modules_import_no_torch() -> None:
     _imports_without_torch(modules, then="import redraft.cli\nredraft.cli.build_parser()\n")
 
 
-def test_the_http_process_loads_only_the_front_room_of_the_engine() -> None:
-    """A fresh interpreter imports every module of server/: of redraft it then holds server/, protocol/ and the
-    text room alone (no runtime, model, decoding room or scheduler, not even torch-free ones)."""
+def _redraft_modules_after_server_imports(first: str = "") -> list[str]:
+    """The redraft modules a fresh interpreter holds after running `first`, then importing every module of server/."""
     modules = sorted(f"redraft.server.{p.stem}" for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
-    code = ("import importlib, sys\n"
+    code = ("import importlib, sys\n" + first +
             f"for name in {modules!r}:\n"
             "    importlib.import_module(name)\n"
             "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] == 'redraft')))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
-    loaded = res.stdout.split()
+    return res.stdout.split()
+
+
+def test_the_http_process_loads_only_the_front_room_of_the_engine() -> None:
+    """A fresh interpreter imports every module of server/: of redraft it then holds server/, protocol/ and the
+    text room alone (no runtime, model, decoding room or scheduler, not even torch-free ones)."""
+    loaded = _redraft_modules_after_server_imports()
     front = ("redraft.server", "redraft.protocol", "redraft.engine.text")
     assert {"redraft.engine.text.tokenizer", "redraft.engine.text.launch", "redraft.protocol.processes"} <= set(loaded)
     assert [m for m in loaded if m not in ("redraft", "redraft.engine") and not m.startswith(front)] == []
@@ -175,16 +180,8 @@ def test_the_serve_command_loads_nothing_of_the_client_tools() -> None:
     """`redraft serve`'s way in (the command line read by `redraft.cli.parse_args`, then the server modules)
     loads of redraft only the command line, server/, protocol/ and the text room: not clients/ (bench, plan),
     whose flags the full parser would import, nor training/."""
-    modules = sorted(f"redraft.server.{p.stem}" for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
-    code = ("import importlib, sys\n"
-            "import redraft.cli\n"
-            "redraft.cli.parse_args(['serve', '--port', '0'])\n"
-            f"for name in {modules!r}:\n"
-            "    importlib.import_module(name)\n"
-            "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] == 'redraft')))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert res.returncode == 0, res.stderr
-    loaded = res.stdout.split()
+    serve_command_line = "import redraft.cli\nredraft.cli.parse_args(['serve', '--port', '0'])\n"
+    loaded = _redraft_modules_after_server_imports(serve_command_line)
     front = ("redraft.server", "redraft.protocol", "redraft.engine.text")
     assert "redraft.cli" in loaded and "redraft.server.launch" in loaded
     assert [m for m in loaded if m not in ("redraft", "redraft.engine", "redraft.cli")
