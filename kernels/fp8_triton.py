@@ -93,12 +93,13 @@ def _e4m3_grid(v):
 
 
 @_jit
-def _quant_rows(a, INTERP: tl.constexpr):
-    """a [M, G] fp32, one quantisation group per row -> (q [M, G] e4m3 (fp32 on the e4m3 grid when
-    interpreting), scale [M] fp32) with a ~= q * scale."""
-    amax = tl.reduce(tl.abs(a), 1, _max_fn)
+def _quant_groups(a, AXIS: tl.constexpr, INTERP: tl.constexpr):
+    """a fp32 tile, one quantisation group per slice along AXIS (1: a [M, G] row per group, 0: a [G, N] column per
+    group, the transposed tile of a swapped dot) -> (q e4m3 (fp32 on the e4m3 grid when interpreting) of a's
+    shape, scale [M] or [N] fp32) with a ~= q * scale. Both forms do the same arithmetic, so give the same bits."""
+    amax = tl.reduce(tl.abs(a), AXIS, _max_fn)
     scale = tl.maximum(amax, 1e-10) / 448.0
-    v = tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0)
+    v = tl.minimum(tl.maximum(a / tl.expand_dims(scale, AXIS), -448.0), 448.0)
     if INTERP:
         q = _e4m3_grid(v)
     else:
@@ -107,17 +108,13 @@ def _quant_rows(a, INTERP: tl.constexpr):
 
 
 @_jit
+def _quant_rows(a, INTERP: tl.constexpr):
+    return _quant_groups(a, 1, INTERP)
+
+
+@_jit
 def _quant_cols(a, INTERP: tl.constexpr):
-    """`_quant_rows` of a transposed tile: a [G, N] fp32, one quantisation group per column -> (q [G, N],
-    scale [N]). The same arithmetic, so the same bits as the row form."""
-    amax = tl.reduce(tl.abs(a), 0, _max_fn)
-    scale = tl.maximum(amax, 1e-10) / 448.0
-    v = tl.minimum(tl.maximum(a / scale[None, :], -448.0), 448.0)
-    if INTERP:
-        q = _e4m3_grid(v)
-    else:
-        q = v.to(tl.float8e4nv)
-    return q, scale
+    return _quant_groups(a, 0, INTERP)
 
 
 @_jit
